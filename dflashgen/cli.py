@@ -1,0 +1,109 @@
+"""The generate-and-tune command line: ``dflashgen <command>``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+def _shapes(args: argparse.Namespace) -> int:
+    from .deployment import load_deployment
+    from .model import derive_projections, load_model_config
+
+    cfg = load_model_config(args.model)
+    dep = load_deployment(args.deployment)
+    print(f"{cfg.source}  TP{args.tp}  deployment={dep.name}")
+    print(f"{'projection':<14} {'layer':<17} {'style':<7} {'N':>7} {'K':>6} {'count':>5}  {'format':<12} segments")
+    for p in derive_projections(cfg, args.tp):
+        segs = " | ".join(f"{s.name} {s.n}" for s in p.segments) if p.fused else ""
+        print(f"{p.name:<14} {p.layer_type:<17} {p.parallel:<7} {p.n:>7} {p.k:>6} {p.count:>5}  "
+              f"{dep.format_for(p).value:<12} {segs}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .render import diff, generated_dir, load_targets, plan, write
+
+    out = Path(args.out) if args.out else generated_dir()
+    p = plan(load_targets(Path(args.targets) if args.targets else None))
+    if args.check:
+        d = diff(p, out)
+        print(d.summary())
+        if not d.clean:
+            print(f"\n{out} is out of date: run `dflashgen generate`", file=sys.stderr)
+            return 1
+        print(f"{len(p.specs)} kernels, all current")
+        return 0
+    d = write(p, out)
+    print(f"{len(p.specs)} kernels in {out}: {len(d.missing)} new, {len(d.changed)} rewritten, "
+          f"{len(d.stale)} stale deleted")
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .build import build
+
+    res = build(args.arch, only=args.only, jobs=args.jobs, prefer=args.toolchain, progress=not args.quiet)
+    for arch, tc in sorted(res.toolchains.items()):
+        print(f"sm_{arch}: {tc}")
+    rows = res.resources()
+    spills = {n: r for n, r in rows.items() if r["spill_stores"] or r["spill_loads"]}
+    regs = [r["registers"] for r in rows.values()]
+    print(f"{len(rows)} kernels ready in {res.build_dir} ({res.steps} build steps run)")
+    if regs:
+        print(f"registers: min {min(regs)} max {max(regs)}; kernels with spills: {len(spills)}")
+    if args.verbose:
+        for n, r in rows.items():
+            print(f"  {n:<72} regs {r['registers']:>3} smem {r['smem']:>6} spills {r['spill_stores']}/{r['spill_loads']}")
+    return 1 if spills and args.no_spills else 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import main as verify_main
+
+    return verify_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dflashgen", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"dflashgen {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("shapes", help="print the projections derived from a model config")
+    s.add_argument("--model", default=None, help="built-in name or config .json/.yaml (default qwen3.8-27b)")
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--deployment", default=None, help="nvfp4 | fp8 | mixed | a deployment file")
+    s.set_defaults(fn=_shapes)
+
+    g = sub.add_parser("generate", help="render kernels for schedules/targets.yaml into generated/")
+    g.add_argument("--check", action="store_true", help="fail if generated/ is out of date; write nothing")
+    g.add_argument("--targets", default=None, help="targets file (default schedules/targets.yaml)")
+    g.add_argument("--out", default=None, help="output folder (default the package's generated/)")
+    g.set_defaults(fn=_generate)
+
+    b = sub.add_parser("build", help="compile generated kernels with ninja (content-keyed cache)")
+    b.add_argument("--arch", type=int, nargs="+", default=[70])
+    b.add_argument("--only", default=None, help="regex on kernel names")
+    b.add_argument("--jobs", "-j", type=int, default=None)
+    b.add_argument("--toolchain", choices=["auto", "nvrtc", "nvcc"], default="auto")
+    b.add_argument("--no-spills", action="store_true", help="exit 1 if any kernel spills")
+    b.add_argument("--verbose", "-v", action="store_true")
+    b.add_argument("--quiet", "-q", action="store_true")
+    b.set_defaults(fn=_build)
+
+    v = sub.add_parser("verify", help="run every generated kernel on the GPU against the FP32 reference")
+    v.add_argument("--arch", type=int, nargs="+", default=None, help="kernel archs to run (default: native)")
+    v.add_argument("--only", default=None, help="regex on kernel names")
+    v.add_argument("--ms", type=int, nargs="+", default=None)
+    v.add_argument("--json", default=None, help="write results here")
+    v.set_defaults(fn=_verify)
+
+    args = ap.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

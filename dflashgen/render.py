@@ -1,0 +1,210 @@
+"""Render kernel specs into CUDA sources (Jinja2) and keep generated/ in sync.
+
+generated/ layout: ``sm_XX/<kernel name>.cu`` plus ``manifest.json`` (per kernel: projections it
+serves, format, arch, schedule, source hash). Output is byte-for-byte deterministic; files no
+longer produced are deleted; ``check`` reports what differs without writing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from . import __version__
+from .deployment import Deployment, WeightFormat, load_deployment
+from .model import Projection, derive_projections, load_model_config
+from .schedule import KernelSpec, candidates
+
+GENERATED_SUFFIXES = (".cu",)
+MANIFEST = "manifest.json"
+MMA_NAME = {"sm70": "mma.sync.m8n8k4 / HMMA.884", "sm80": "mma.sync.m16n8k16 / HMMA.16816"}
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    root = resources.files("dflashgen.templates")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True, trim_blocks=False, lstrip_blocks=False, autoescape=False,
+    )
+
+
+def render_kernel(spec: KernelSpec) -> str:
+    lay = spec.layout
+    return _env().get_template("skinny_gemm.cu.j2").render(
+        version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
+        mma=MMA_NAME[spec.fam], fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
+        n_out=spec.n_out, split_k=spec.kplan.split_k, warps_k=spec.kplan.warps_k, kg=spec.kplan.k_group,
+        rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
+        traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
+        format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
+        epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,
+    )
+
+
+@dataclass(frozen=True)
+class Target:
+    model: str
+    tp: int
+    deployment: Deployment
+    arch: int
+
+
+def load_targets(path: Path | None = None) -> list[Target]:
+    text = path.read_text() if path else (resources.files("dflashgen.schedules") / "targets.yaml").read_text()
+    raw = yaml.safe_load(text)
+    out = []
+    for t in raw["targets"]:
+        for tp in t["tp"]:
+            for dep in t["deployments"]:
+                for arch in t["archs"]:
+                    out.append(Target(str(t["model"]), int(tp), load_deployment(dep), int(arch)))
+    return out
+
+
+def problems(model: str | Path | None, tp: int, deployment: Deployment) -> list[tuple[Projection, str, bool]]:
+    """(projection, format, fused-SiLU) triples that need kernels."""
+    cfg = load_model_config(model)
+    out: list[tuple[Projection, str, bool]] = []
+    for proj, fmt in deployment.quantized(derive_projections(cfg, tp)):
+        out.append((proj, fmt.value, False))
+        if deployment.fuse_silu and proj.name == "gate_up_proj" and fmt is not WeightFormat.FP16:
+            out.append((proj, fmt.value, True))
+    return out
+
+
+def specs_for(targets: Iterable[Target]) -> list[KernelSpec]:
+    """All kernels for the targets, deduplicated by name with the projections each serves."""
+    by_name: dict[str, KernelSpec] = {}
+    for t in targets:
+        for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
+            tag = f"{t.model}/tp{t.tp}/{proj.name}" + ("+silu" if silu else "")
+            for spec in candidates(t.arch, fmt, proj.n, proj.k, silu):
+                prev = by_name.get(spec.name)
+                serves = set(prev.serves if prev else ()) | {tag}
+                by_name[spec.name] = replace(spec, serves=tuple(sorted(serves)))
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def sha256(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Plan:
+    """What generated/ should contain: relative path -> text."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    specs: list[KernelSpec] = field(default_factory=list)
+
+
+def plan(targets: Iterable[Target]) -> Plan:
+    p = Plan()
+    kernels: list[dict[str, Any]] = []
+    for spec in specs_for(targets):
+        rel = f"sm_{spec.arch}/{spec.name}.cu"
+        src = render_kernel(spec)
+        p.files[rel] = src
+        p.specs.append(spec)
+        kernels.append({**spec.to_dict(), "file": rel, "source_sha256": sha256(src)})
+    manifest = {
+        "generated_by": f"dflashgen {__version__}",
+        "note": "generated, do not edit: run `dflashgen generate`",
+        "template_sha256": template_hash(),
+        "kernels": kernels,
+    }
+    p.files[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return p
+
+
+def template_hash() -> str:
+    """Hash of every template and header: part of every build fingerprint."""
+    root = resources.files("dflashgen.templates")
+    h = hashlib.sha256()
+    for rel in sorted(_template_files()):
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()
+
+
+def _template_files() -> list[str]:
+    root = Path(str(resources.files("dflashgen.templates")))
+    return [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".j2", ".cuh")]
+
+
+def _existing(out_dir: Path) -> set[str]:
+    found = {str(p.relative_to(out_dir)) for p in out_dir.glob("sm_*/*") if p.suffix in GENERATED_SUFFIXES}
+    if (out_dir / MANIFEST).exists():
+        found.add(MANIFEST)
+    return found
+
+
+@dataclass
+class Diff:
+    missing: list[str]
+    changed: list[str]
+    stale: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.changed or self.stale)
+
+    def summary(self, limit: int = 10) -> str:
+        lines = []
+        for label, items in (("missing", self.missing), ("changed (hand-edited or stale template)", self.changed),
+                             ("stale (no longer generated)", self.stale)):
+            if items:
+                lines.append(f"{len(items)} {label}:")
+                lines += [f"  {x}" for x in items[:limit]]
+                if len(items) > limit:
+                    lines.append(f"  ... and {len(items) - limit} more")
+        return "\n".join(lines) if lines else "generated/ is up to date"
+
+
+def diff(p: Plan, out_dir: Path) -> Diff:
+    existing = _existing(out_dir)
+    missing, changed = [], []
+    for rel, text in sorted(p.files.items()):
+        f = out_dir / rel
+        if rel not in existing:
+            missing.append(rel)
+        elif f.read_text() != text:
+            changed.append(rel)
+    stale = sorted(existing - set(p.files))
+    return Diff(missing, changed, stale)
+
+
+def write(p: Plan, out_dir: Path) -> Diff:
+    """Bring out_dir to exactly the plan: write what differs, delete stale files."""
+    d = diff(p, out_dir)
+    for rel in d.missing + d.changed:
+        f = out_dir / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(p.files[rel])
+    for rel in d.stale:
+        (out_dir / rel).unlink()
+    for sub in out_dir.glob("sm_*"):
+        if sub.is_dir() and not any(sub.iterdir()):
+            sub.rmdir()
+    return d
+
+
+def generated_dir() -> Path:
+    return Path(str(resources.files("dflashgen.generated")))
+
+
+def load_manifest(out_dir: Path | None = None) -> dict[str, Any]:
+    path = (out_dir or generated_dir()) / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: run `dflashgen generate`")
+    return json.loads(path.read_text())

@@ -1,0 +1,213 @@
+"""Tile schedules: the declarative space in schedules/sm_XX.yaml expanded into legal kernel specs.
+
+Two levels, so batch invariance holds by construction:
+- ``KPlan`` (split_k, warps_k, k_group) fixes how K is cut and in which order partial sums meet. It
+  is a function of (arch, format, N, K) only.
+- ``Tile`` (rows, warp_nt, warps_n, stages) is what the tuner may change per M: rows per CTA and
+  N tiling, neither of which touches the reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from .prepack import Layout, family
+
+FORMAT_TAG = {"nvfp4": "nvfp4", "fp8_channel": "fp8"}
+
+
+class ScheduleError(ValueError):
+    """A schedule file is invalid or a requested kernel is illegal."""
+
+
+@dataclass(frozen=True)
+class ArchSpace:
+    arch: int
+    mma: str
+    sms: int
+    k_plan: dict[str, int]
+    tiles: dict[str, list[int]]
+    limits: dict[str, int]
+    max_m: int
+
+
+@cache
+def load_space(arch: int) -> ArchSpace:
+    path = resources.files("dflashgen.schedules") / f"sm_{arch}.yaml"
+    if not path.is_file():
+        raise ScheduleError(f"no schedule space for sm_{arch} (expected schedules/sm_{arch}.yaml)")
+    raw: dict[str, Any] = yaml.safe_load(path.read_text())
+    try:
+        space = ArchSpace(
+            arch=int(raw["arch"]), mma=str(raw["mma"]), sms=int(raw["sms"]), k_plan=dict(raw["k_plan"]),
+            tiles={k: [int(v) for v in vs] for k, vs in raw["tiles"].items()}, limits=dict(raw["limits"]),
+            max_m=int(raw["max_m"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ScheduleError(f"schedules/sm_{arch}.yaml: missing or bad field: {e}") from e
+    if space.arch != arch:
+        raise ScheduleError(f"schedules/sm_{arch}.yaml says arch {space.arch}")
+    for knob in ("rows", "warp_nt", "warps_n", "stages"):
+        if not space.tiles.get(knob):
+            raise ScheduleError(f"schedules/sm_{arch}.yaml: tiles.{knob} is empty")
+    return space
+
+
+@dataclass(frozen=True)
+class KPlan:
+    split_k: int
+    warps_k: int
+    k_group: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    rows: int
+    warp_nt: int
+    warps_n: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One generated kernel: everything its name, source and launch depend on."""
+
+    arch: int
+    fmt: str  # "nvfp4" | "fp8_channel"
+    n: int
+    k: int
+    silu: bool
+    kplan: KPlan
+    tile: Tile
+    serves: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.arch, self.fmt, self.n, self.k, self.silu)
+
+    @property
+    def fam(self) -> str:
+        return family(self.arch)
+
+    @property
+    def n_out(self) -> int:
+        return self.n // 2 if self.silu else self.n
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.tile.warps_n * self.kplan.warps_k
+
+    @property
+    def epilogue(self) -> str:
+        return "silu" if self.silu else "store"
+
+    @property
+    def name(self) -> str:
+        # Every parameter that changes the code is in the name (CUTLASS-style).
+        kp, t = self.kplan, self.tile
+        return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
+                f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}"
+                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}")
+
+    @property
+    def problem_key(self) -> str:
+        """Kernels with the same key are interchangeable (same layout and same K plan)."""
+        return f"sm{self.arch}/{self.fmt}/{self.epilogue}/n{self.n}/k{self.k}"
+
+    def grid(self, m: int) -> tuple[int, int, int]:
+        tiles = self.layout.n_pad // self.layout.tile_rows
+        per_cta = self.tile.warp_nt * self.tile.warps_n
+        return (math.ceil(tiles / per_cta), self.kplan.split_k, math.ceil(m / self.tile.rows))
+
+    def workspace_floats(self, m: int) -> int:
+        return self.kplan.split_k * m * self.layout.n_pad if self.kplan.split_k > 1 else 0
+
+    def smem_bytes(self) -> int:
+        nacc = 4 if self.fam == "sm80" else 8
+        acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
+        return max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+
+    def reg_estimate(self) -> int:
+        """Rough live registers per thread; only used to keep hopeless tiles out."""
+        nacc = 4 if self.fam == "sm80" else 8
+        acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
+        a_frag = 16 if self.fmt == "nvfp4" else 8  # decoded A registers per warp tile and group
+        x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4
+        pipeline = self.tile.stages * self.tile.warp_nt * 5
+        return acc + self.tile.warp_nt * a_frag + 2 * x_frag + pipeline + self.tile.rows // 8 * 3 + 32
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
+            "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
+            "kplan": asdict(self.kplan), "tile": asdict(self.tile), "threads": self.threads,
+            "smem_bytes": self.smem_bytes(), "serves": list(self.serves),
+        }
+
+
+def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
+    """The one K plan for (arch, format, N, K): enough warps along K to fill the GPU, preferring
+    warps of one CTA (reduced in shared memory) over CTA splits (an extra reduce kernel)."""
+    space = load_space(arch)
+    lay = Layout(arch, fmt, n, k)
+    lay.check()
+    groups = k // lay.k_group
+    tiles = lay.n_pad // lay.tile_rows
+    min_groups = space.k_plan["min_groups_per_worker"]
+    want = math.ceil(space.sms * space.k_plan["target_warps_per_sm"] / tiles)
+    warps_k = min(1 << max(0, math.ceil(math.log2(want))), space.k_plan["max_warps_k"])
+    while warps_k > 1 and groups // warps_k < min_groups:
+        warps_k //= 2
+    split_k = 1
+    while (warps_k * split_k < want and split_k * 2 <= space.k_plan["max_split_k"]
+           and groups // (warps_k * split_k * 2) >= min_groups):
+        split_k *= 2
+    return KPlan(split_k=split_k, warps_k=warps_k, k_group=lay.k_group)
+
+
+def illegal_reason(spec: KernelSpec) -> str | None:
+    """Static legality: the reason a spec must never be emitted, or None."""
+    space = load_space(spec.arch)
+    lay = spec.layout
+    try:
+        lay.check()
+    except ValueError as e:
+        return str(e)
+    tiles = lay.n_pad // lay.tile_rows
+    groups = spec.k // lay.k_group
+    t = spec.tile
+    if t.rows % 8 or t.rows > space.max_m:
+        return f"rows={t.rows} must be a multiple of 8 and <= max_m={space.max_m}"
+    if tiles % t.warp_nt:
+        return f"{tiles} warp tiles not divisible by warp_nt={t.warp_nt}"
+    if groups < spec.kplan.split_k * spec.kplan.warps_k:
+        return f"{groups} K groups for {spec.kplan.split_k * spec.kplan.warps_k} K workers"
+    if spec.threads > space.limits["max_threads"]:
+        return f"{spec.threads} threads > {space.limits['max_threads']}"
+    if spec.smem_bytes() > space.limits["smem_bytes"]:
+        return f"{spec.smem_bytes()} B shared memory > {space.limits['smem_bytes']}"
+    if spec.reg_estimate() > space.limits["reg_budget"]:
+        return f"~{spec.reg_estimate()} registers > budget {space.limits['reg_budget']}"
+    return None
+
+
+def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
+               serves: tuple[str, ...] = ()) -> list[KernelSpec]:
+    """Every legal kernel of the space for one problem, in a deterministic order."""
+    space = load_space(arch)
+    kp = k_plan(arch, fmt, n, k)
+    out = []
+    for rows in space.tiles["rows"]:
+        for warp_nt in space.tiles["warp_nt"]:
+            for warps_n in space.tiles["warps_n"]:
+                for stages in space.tiles["stages"]:
+                    spec = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages), serves)
+                    if illegal_reason(spec) is None:
+                        out.append(spec)
+    return out

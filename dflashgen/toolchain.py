@@ -1,0 +1,231 @@
+"""Compilers: NVRTC 12.9 + ptxas 12.9 from the pip wheels (no system CUDA needed, and the only way
+to reach compute_70 once the system has CUDA 13), or the system nvcc for the archs it supports.
+
+Also a tiny CLI used by the generated build.ninja: ``python -m dflashgen.toolchain nvrtc ...``.
+Importing this module must stay cheap (no torch): ninja runs it once per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from pathlib import Path
+
+CXX_FLAGS = ("-std=c++17", "-DNDEBUG")
+
+
+class ToolchainError(RuntimeError):
+    """A compiler is missing or failed."""
+
+
+def _pkg_dir(mod: str) -> Path | None:
+    spec = importlib.util.find_spec(mod)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _need(path: Path | None, what: str, wheel: str) -> Path:
+    if path is None or not path.exists():
+        raise ToolchainError(f"{what} not found; install it with `pip install {wheel}`")
+    return path
+
+
+@lru_cache(maxsize=1)
+def nvrtc_lib() -> Path:
+    d = _pkg_dir("nvidia.cuda_nvrtc")
+    return _need(d / "lib" / "libnvrtc.so.12" if d else None, "NVRTC 12 (libnvrtc.so.12)",
+                 "nvidia-cuda-nvrtc-cu12")
+
+
+@lru_cache(maxsize=1)
+def pip_ptxas() -> Path:
+    d = _pkg_dir("nvidia.cuda_nvcc")
+    return _need(d / "bin" / "ptxas" if d else None, "ptxas 12.x", "nvidia-cuda-nvcc-cu12")
+
+
+@lru_cache(maxsize=1)
+def include_dirs() -> tuple[Path, ...]:
+    """Our kernel headers, CUTLASS/CuTe, libcu++ (cuda/std) and the CUDA runtime headers."""
+    here = Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
+    cutlass = _pkg_dir("cutlass_library")
+    rt, cccl = _pkg_dir("nvidia.cuda_runtime"), _pkg_dir("nvidia.cuda_cccl")
+    return (
+        here,
+        _need(cutlass / "source" / "include" if cutlass else None, "CUTLASS headers", "nvidia-cutlass"),
+        _need(cccl / "include" if cccl else None, "libcu++ headers", "nvidia-cuda-cccl-cu12"),
+        _need(rt / "include" if rt else None, "CUDA runtime headers", "nvidia-cuda-runtime-cu12"),
+    )
+
+
+@lru_cache(maxsize=1)
+def system_nvcc() -> Path | None:
+    for cand in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        p = Path(cand) / "bin" / "nvcc"
+        if cand and p.exists():
+            return p
+    which = shutil.which("nvcc")
+    return Path(which) if which else None
+
+
+@cache
+def _tool_version(tool: str) -> str:
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError as e:
+        raise ToolchainError(f"cannot run {tool}: {e}") from e
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def nvrtc_version() -> str:
+    lib = ctypes.CDLL(str(nvrtc_lib()))
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one arch is compiled: frontend (C++ -> PTX) and ptxas (PTX -> cubin)."""
+
+    arch: int
+    frontend: str  # "nvrtc" | "nvcc"
+    ptxas: str
+    version: str  # toolchain identity for the build fingerprint
+
+    def describe(self) -> str:
+        return f"sm_{self.arch}: {self.frontend} + {self.ptxas} ({self.version})"
+
+
+def nvcc_supports(arch: int) -> bool:
+    nvcc = system_nvcc()
+    if nvcc is None:
+        return False
+    major = int(_tool_version(str(nvcc)).split(".")[0])
+    return not (arch < 75 and major >= 13)  # CUDA 13 dropped sm_70/sm_72
+
+
+def plan_for(arch: int, prefer: str = "auto") -> Plan:
+    """sm_70 always uses the pip CUDA 12.9 toolchain; newer archs use the system nvcc when it is
+    there (prefer='auto'), else NVRTC."""
+    use_nvcc = prefer == "nvcc" or (prefer == "auto" and arch >= 75 and nvcc_supports(arch))
+    if use_nvcc:
+        nvcc = system_nvcc()
+        if nvcc is None or not nvcc_supports(arch):
+            raise ToolchainError(f"system nvcc cannot build sm_{arch}")
+        ptxas = nvcc.parent / "ptxas"
+        return Plan(arch, "nvcc", str(ptxas), f"nvcc {_tool_version(str(nvcc))}")
+    ptxas = pip_ptxas()
+    return Plan(arch, "nvrtc", str(ptxas), f"nvrtc {nvrtc_version()} ptxas {_tool_version(str(ptxas))}")
+
+
+def nvrtc_compile(src: Path, out: Path, arch: int, extra: tuple[str, ...] = ()) -> str:
+    """CUDA C++ -> PTX for compute_<arch> with NVRTC. Returns the compiler log."""
+    lib = ctypes.CDLL(str(nvrtc_lib()))
+    prog = ctypes.c_void_p()
+    code = src.read_bytes()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), code, src.name.encode(), 0, None, None) != 0:
+        raise ToolchainError(f"nvrtcCreateProgram failed for {src}")
+    opts = [f"--gpu-architecture=compute_{arch}", "-default-device", *CXX_FLAGS, *extra]
+    opts += [f"-I{d}" for d in include_dirs()]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode(errors="replace")
+    if rc != 0:
+        raise ToolchainError(f"NVRTC failed on {src}:\n{text}")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+    ptx = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    _atomic_write(out, ptx.value)
+    return text
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def fingerprint(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+_RES = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+
+
+def parse_ptxas_log(text: str) -> dict[str, dict[str, int]]:
+    """ptxas -v output -> {entry: {registers, spill_stores, spill_loads, smem}}."""
+    out: dict[str, dict[str, int]] = {}
+    cur = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            cur = m.group(1)
+            out[cur] = {"registers": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0}
+        elif cur is None:
+            continue
+        elif m := _SPILL.search(line):
+            out[cur]["spill_stores"], out[cur]["spill_loads"] = int(m.group(1)), int(m.group(2))
+        elif m := _RES.search(line):
+            out[cur]["registers"] = int(m.group(1))
+            if s := _SMEM.search(line):
+                out[cur]["smem"] = int(s.group(1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflashgen.toolchain")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("nvrtc", help="CUDA C++ -> PTX with NVRTC 12")
+    c.add_argument("src", type=Path)
+    c.add_argument("-o", "--out", type=Path, required=True)
+    c.add_argument("--arch", type=int, required=True)
+    n = sub.add_parser("nvcc-ptx", help="CUDA C++ -> PTX with the system nvcc")
+    n.add_argument("src", type=Path)
+    n.add_argument("-o", "--out", type=Path, required=True)
+    n.add_argument("--arch", type=int, required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "nvrtc":
+            log = nvrtc_compile(args.src, args.out, args.arch)
+            log = "\n".join(x for x in log.splitlines() if "deprecated" not in x and x.strip())
+            if log:
+                print(log, file=sys.stderr)
+        else:
+            nvcc = system_nvcc()
+            if nvcc is None:
+                raise ToolchainError("no system nvcc")
+            tmp = args.out.with_name(f".{args.out.name}.{os.getpid()}.tmp")
+            cmd = [str(nvcc), "-ptx", f"-arch=compute_{args.arch}", *CXX_FLAGS, "-o", str(tmp), str(args.src)]
+            cmd += [f"-I{d}" for d in include_dirs()[:2]]  # nvcc brings its own libcu++ and runtime
+            subprocess.run(cmd, check=True)
+            os.replace(tmp, args.out)
+    except (ToolchainError, subprocess.CalledProcessError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated kernels (committed). Everything here except this file is written by `dflashgen generate`."""

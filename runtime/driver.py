@@ -1,0 +1,90 @@
+"""CUDA driver API access through cuda-python: load cubin/PTX images and launch kernels on torch's
+current stream. No torch C++ extension, so no dependency on torch's C++ ABI."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+@lru_cache(maxsize=1)
+def cu() -> Any:
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python
+        except ImportError as e:
+            raise DriverError("cuda-python is required to load kernels: pip install 'dflashgen[gpu]'") from e
+    return driver
+
+
+def check(result: Any, what: str) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        _, msg = cu().cuGetErrorString(err)
+        raise DriverError(f"{what} failed: {msg.decode() if msg else int(err)}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def ensure_context(device_index: int) -> None:
+    """Make torch's primary context current on this thread (torch creates it lazily)."""
+    import torch
+
+    torch.cuda.init()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream().synchronize()  # forces context creation
+        ctx = check(cu().cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if not int(ctx):
+            dev = check(cu().cuDeviceGet(device_index), "cuDeviceGet")
+            ctx = check(cu().cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            check(cu().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class Module:
+    """A loaded cubin or PTX image (PTX is JIT-compiled by the driver for the GPU at hand)."""
+
+    def __init__(self, image: bytes, label: str) -> None:
+        self.label = label
+        if not image.endswith(b"\0") and image.lstrip().startswith((b"//", b".version")):
+            image += b"\0"  # PTX must be NUL-terminated
+        self._image = image
+        try:
+            self.handle = check(cu().cuModuleLoadData(image), f"loading {label}")
+        except DriverError as e:
+            raise DriverError(f"{e} (image from {label})") from e
+
+    def function(self, name: str) -> Function:
+        return Function(check(cu().cuModuleGetFunction(self.handle, name.encode()), f"finding {name} in {self.label}"),
+                        name)
+
+    def __del__(self) -> None:
+        h = getattr(self, "handle", None)
+        if h is not None:
+            try:
+                cu().cuModuleUnload(h)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class Function:
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle = handle
+        self.name = name
+
+    def attribute(self, attr: str) -> int:
+        a = getattr(cu().CUfunction_attribute, attr)
+        return int(check(cu().cuFuncGetAttribute(a, self.handle), f"cuFuncGetAttribute {attr}"))
+
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], stream: int,
+               shared: int = 0) -> None:
+        """args: ctypes values in the kernel's parameter order."""
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        check(cu().cuLaunchKernel(self.handle, *grid, *block, shared, stream, ctypes.addressof(ptrs), 0),
+              f"launching {self.name}")

@@ -1,0 +1,127 @@
+"""Load built kernels and launch them with full input validation.
+
+``GemmKernel`` is one generated kernel (one tile schedule); calling it with an FP16 activation and
+a ``PackedWeight`` returns y = x W^T (or SiLU(gate) * up for the fused variant). Every launch goes
+on torch's current stream, so it is safe under CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashgen.prepack import Layout, PackedWeight, family
+
+from .driver import Function, Module, ensure_context
+
+
+class KernelInputError(ValueError):
+    """An argument does not fit the kernel (dtype, device, shape, alignment, layout, M)."""
+
+
+def _fail(msg: str) -> None:
+    raise KernelInputError(msg)
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+class GemmKernel:
+    def __init__(self, entry: dict[str, Any], image_path: Path, max_m: int, device: torch.device) -> None:
+        self.entry = entry
+        self.name: str = entry["name"]
+        self.arch: int = entry["arch"]
+        self.n, self.k, self.n_out, self.n_pad = entry["n"], entry["k"], entry["n_out"], entry["n_pad"]
+        self.silu = entry["epilogue"] == "silu"
+        self.fmt: str = entry["format"]
+        self.rows: int = entry["tile"]["rows"]
+        self.split_k: int = entry["kplan"]["split_k"]
+        self.threads: int = entry["threads"]
+        self.max_m = max_m
+        self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
+        tiles = self.n_pad // self.layout.tile_rows
+        per_cta = entry["tile"]["warp_nt"] * entry["tile"]["warps_n"]
+        self._grid_x = -(-tiles // per_cta)
+        self.device = device
+        self.image_path = image_path
+        self._fns: tuple[Function, Function | None] | None = None
+
+    def _functions(self) -> tuple[Function, Function | None]:
+        if self._fns is None:  # loaded on first launch, so validation needs no GPU
+            ensure_context(self.device.index or 0)
+            self.module = Module(self.image_path.read_bytes(), str(self.image_path))
+            reduce_fn = self.module.function(self.name + "_reduce") if self.split_k > 1 else None
+            self._fns = (self.module.function(self.name), reduce_fn)
+        return self._fns
+
+    def validate(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None) -> int:
+        if not isinstance(x, torch.Tensor):
+            _fail(f"{self.name}: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float16:
+            _fail(f"{self.name}: x must be float16, got {x.dtype}")
+        if x.device.type != "cuda":
+            _fail(f"{self.name}: x must be a CUDA tensor, got device {x.device}")
+        if x.device != self.device:
+            _fail(f"{self.name}: x is on {x.device}, kernel loaded on {self.device}")
+        if x.dim() != 2:
+            _fail(f"{self.name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+        m, k = x.shape
+        if k != self.k:
+            _fail(f"{self.name}: x has K={k}, kernel is built for K={self.k}")
+        if not x.is_contiguous():
+            _fail(f"{self.name}: x must be contiguous (strides {x.stride()})")
+        if x.data_ptr() % 16:
+            _fail(f"{self.name}: x must be 16-byte aligned (address {x.data_ptr():#x})")
+        if m < 1 or m > self.max_m:
+            _fail(f"{self.name}: M={m} outside the supported range 1..{self.max_m}")
+        if not isinstance(w, PackedWeight):
+            _fail(f"{self.name}: weight must be a PackedWeight from dflashgen.prepack, got {type(w).__name__}")
+        if w.layout != self.layout:
+            _fail(f"{self.name}: weight is packed for {w.layout}, kernel needs {self.layout}")
+        tensors = [("weights", w.weights), ("col_scale", w.col_scale)]
+        if self.fmt == "nvfp4":
+            if w.scales is None:
+                _fail(f"{self.name}: NVFP4 weight is missing its block scales")
+            tensors.append(("scales", w.scales))
+        for label, t in tensors:
+            if t.device != self.device or not t.is_contiguous():
+                _fail(f"{self.name}: weight {label} must be contiguous on {self.device}, got {t.device}")
+        if w.weights.data_ptr() % 16 or (w.scales is not None and w.scales.data_ptr() % 4):
+            _fail(f"{self.name}: packed weight buffers must be 16-byte aligned")
+        if w.col_scale.dtype != torch.float32 or w.col_scale.numel() != self.n:
+            _fail(f"{self.name}: col_scale must be float32 [{self.n}]")
+        if out is not None and (out.dtype != torch.float16 or tuple(out.shape) != (m, self.n_out)
+                                or not out.is_contiguous() or out.device != self.device):
+            _fail(f"{self.name}: out must be a contiguous float16 [{m}, {self.n_out}] tensor "
+                  f"on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        return m
+
+    def __call__(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = self.validate(x, w, out)
+        fn, reduce_fn = self._functions()
+        if out is None:
+            out = torch.empty((m, self.n_out), dtype=torch.float16, device=x.device)
+        ws = None
+        if self.split_k > 1:
+            ws = torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=x.device)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        grid = (self._grid_x, self.split_k, -(-m // self.rows))
+        args = [_ptr(x), ctypes.c_int(m), _ptr(w.weights), _ptr(w.scales), _ptr(w.col_scale), _ptr(out),
+                _ptr(ws)]
+        fn.launch(grid, (self.threads, 1, 1), args, stream)
+        if reduce_fn is not None:
+            total = m * self.n_out
+            reduce_fn.launch(((total + 255) // 256, 1, 1), (256, 1, 1),
+                                  [_ptr(ws), ctypes.c_int(m), _ptr(w.col_scale), _ptr(out)], stream)
+        return out
+
+
+def native_arch(device: torch.device | None = None) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = 10 * major + minor
+    family(arch)  # raises for an unsupported GPU
+    return arch

@@ -1,0 +1,1 @@
+"""Declarative tile-schedule spaces per arch and the generation targets."""

@@ -1,0 +1,195 @@
+// dflashgen: weight-streaming skinny GEMM, y[M, N] = x[M, K] W^T, FP16 in/out, FP32 accumulation.
+//
+// Grid: x = N tiles (WARPS_N * WARP_NT warp tiles per CTA), y = SPLIT_K, z = ceil(M / ROWS).
+// Batch invariance: the K range is cut into G = K / KG groups and dealt to W = SPLIT_K * WARPS_K
+// workers in fixed contiguous ranges; each worker accumulates its groups in ascending order; the
+// WARPS_K workers of a CTA are summed in warp order through shared memory and the SPLIT_K CTA
+// partials in split order by the reduce kernel. None of that depends on M, ROWS, WARP_NT or
+// WARPS_N, so a row's result is bitwise the same whatever batch it came in. No atomics.
+#pragma once
+
+#include "mma_traits.cuh"
+
+namespace dflashgen {
+
+template <class Cfg>
+struct SkinnyGemm {
+  using T = typename Cfg::Traits;
+  static constexpr int NT8 = Cfg::ROWS / 8;
+  static constexpr int G = Cfg::K / T::KG;
+  static constexpr int WORKERS = Cfg::SPLIT_K * Cfg::WARPS_K;
+  static constexpr int TILES = Cfg::N_PAD / T::TILE_ROWS;
+  static constexpr int ACC = Cfg::WARP_NT * NT8 * T::NACC;
+  static constexpr int THREADS = 32 * Cfg::WARPS_N * Cfg::WARPS_K;
+  static constexpr bool NVFP4 = Cfg::FORMAT == Format::NVFP4;
+  static constexpr bool SILU = Cfg::EPILOGUE == Epilogue::SiluMul;
+  static constexpr int N_OUT = SILU ? Cfg::N / 2 : Cfg::N;
+  static_assert(Cfg::K % T::KG == 0, "K must be a multiple of the group size");
+  static_assert(G >= WORKERS, "more K workers than K groups");
+  static_assert(Cfg::ROWS % 8 == 0, "ROWS must be a multiple of 8");
+
+  struct alignas(16) Smem {
+    float red[Cfg::WARPS_K > 1 ? Cfg::WARPS_K - 1 : 1][Cfg::WARPS_N][ACC][32];
+  };
+
+  // Where each group's weights and scales live (prepacked, see dflashgen/prepack.py).
+  __device__ static const uint4* wptr(const uint4* wq, int tile, int grp) {
+    return wq + (static_cast<size_t>(tile) * G + grp) * 32 + (threadIdx.x & 31);
+  }
+  __device__ static typename T::Scale ld_scale(const void* sc, int tile, int grp) {
+    if constexpr (NVFP4) {
+      const auto* p = static_cast<const typename T::Scale*>(sc);
+      return __ldg(p + (static_cast<size_t>(tile) * G + grp) * T::SCALE_WORDS + T::scale_index());
+    } else {
+      return 0;
+    }
+  }
+
+  __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
+                             const void* __restrict__ wscale, const float* __restrict__ col_scale,
+                             __half* __restrict__ out, float* __restrict__ partial, Smem& smem) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
+    const int tile0 = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
+    const int worker = blockIdx.y * Cfg::WARPS_K + wk;
+    const int gb = worker * G / WORKERS, ge = (worker + 1) * G / WORKERS;
+    const int m0 = blockIdx.z * Cfg::ROWS;
+    const bool active = tile0 < TILES;  // TILES % WARP_NT == 0 (checked by the schedule)
+
+    float acc[Cfg::WARP_NT][NT8][T::NACC];
+#pragma unroll
+    for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) acc[i][j][e] = 0.0f;
+
+    const __half* xrow[NT8];
+    bool xok[NT8];
+#pragma unroll
+    for (int j = 0; j < NT8; ++j) {
+      const int m = m0 + 8 * j + T::b_mrow();
+      xok[j] = m < M;
+      xrow[j] = x + static_cast<size_t>(xok[j] ? m : 0) * Cfg::K;
+    }
+
+    if (active) {
+      // Register pipeline: STAGES groups of weights in flight ahead of the MMAs.
+      uint4 wbuf[Cfg::STAGES][Cfg::WARP_NT];
+      typename T::Scale sbuf[Cfg::STAGES][Cfg::WARP_NT];
+#pragma unroll
+      for (int s = 0; s < Cfg::STAGES; ++s)
+        if (gb + s < ge)
+#pragma unroll
+          for (int i = 0; i < Cfg::WARP_NT; ++i) {
+            wbuf[s][i] = ld_stream(wptr(wq, tile0 + i, gb + s));
+            sbuf[s][i] = ld_scale(wscale, tile0 + i, gb + s);
+          }
+
+      for (int grp = gb; grp < ge; grp += Cfg::STAGES) {
+#pragma unroll
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+          const int cur = grp + s;
+          if (cur < ge) {
+            typename T::Frag frag[Cfg::WARP_NT];
+#pragma unroll
+            for (int i = 0; i < Cfg::WARP_NT; ++i) T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+            if (cur + Cfg::STAGES < ge)
+#pragma unroll
+              for (int i = 0; i < Cfg::WARP_NT; ++i) {
+                wbuf[s][i] = ld_stream(wptr(wq, tile0 + i, cur + Cfg::STAGES));
+                sbuf[s][i] = ld_scale(wscale, tile0 + i, cur + Cfg::STAGES);
+              }
+#pragma unroll
+            for (int j = 0; j < NT8; ++j) {
+              typename T::XFrag xf;
+              T::load_x(xrow[j], xok[j], cur * T::KG, xf);
+#pragma unroll
+              for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xf, acc[i][j]);
+            }
+          }
+        }
+      }
+    }
+
+    // Intra-CTA K reduction in warp order.
+    if constexpr (Cfg::WARPS_K > 1) {
+      if (wk > 0) {
+        int a = 0;
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+          for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int e = 0; e < T::NACC; ++e) smem.red[wk - 1][wn][a++][lane] = acc[i][j][e];
+      }
+      __syncthreads();
+      if (wk > 0) return;
+#pragma unroll 1
+      for (int w = 0; w < Cfg::WARPS_K - 1; ++w) {
+        int a = 0;
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+          for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int e = 0; e < T::NACC; ++e) acc[i][j][e] += smem.red[w][wn][a++][lane];
+      }
+    }
+    if (!active) return;
+
+#pragma unroll
+    for (int i = 0; i < Cfg::WARP_NT; ++i) {
+      const int tile = tile0 + i;
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) {
+          const int m = m0 + 8 * j + T::acc_mrow(e);
+          if (m >= M) continue;
+          const int wrow = T::acc_wrow(e);
+          const int lrow = tile * T::TILE_ROWS + wrow;  // layout row
+          if constexpr (Cfg::SPLIT_K > 1) {
+            partial[(static_cast<size_t>(blockIdx.y) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+          } else if constexpr (SILU) {
+            if (!T::acc_is_gate(e)) continue;
+            const int jc = T::gate_col(tile, wrow);
+            if (jc >= N_OUT) continue;
+            const float gv = acc[i][j][e] * col_scale[jc];
+            const float uv = acc[i][j][e + T::SILU_PAIR] * col_scale[N_OUT + jc];
+            out[static_cast<size_t>(m) * N_OUT + jc] = __float2half_rn(silu(gv) * uv);
+          } else {
+            if (lrow >= Cfg::N) continue;
+            out[static_cast<size_t>(m) * N_OUT + lrow] = __float2half_rn(acc[i][j][e] * col_scale[lrow]);
+          }
+        }
+    }
+  }
+
+  // Split-K combine: partials summed in split order, then the epilogue. One thread per output.
+  __device__ static void reduce(const float* __restrict__ partial, int M, const float* __restrict__ col_scale,
+                                __half* __restrict__ out) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= M * N_OUT) return;
+    const int m = idx / N_OUT, n = idx % N_OUT;
+    const size_t split_stride = static_cast<size_t>(M) * Cfg::N_PAD;
+    const float* base = partial + static_cast<size_t>(m) * Cfg::N_PAD;
+    if constexpr (SILU) {
+      const int rg = T::gate_row(n), ru = T::up_row(n);
+      float g = 0.0f, u = 0.0f;
+#pragma unroll 1
+      for (int s = 0; s < Cfg::SPLIT_K; ++s) {
+        g += base[s * split_stride + rg];
+        u += base[s * split_stride + ru];
+      }
+      out[idx] = __float2half_rn(silu(g * col_scale[n]) * (u * col_scale[N_OUT + n]));
+    } else {
+      float v = 0.0f;
+#pragma unroll 1
+      for (int s = 0; s < Cfg::SPLIT_K; ++s) v += base[s * split_stride + n];
+      out[idx] = __float2half_rn(v * col_scale[n]);
+    }
+  }
+};
+
+}  // namespace dflashgen

@@ -1,0 +1,81 @@
+"""Toolchain and build: every committed sm_70 kernel compiles with NVRTC + ptxas 12.9 (pip wheels)
+with zero spills; rebuilds do no work; concurrent builds are safe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflashgen.build import build, cache_root
+from dflashgen.toolchain import parse_ptxas_log, plan_for
+
+SMALL = "dfg_sm70_nvfp4_store_n24_k5120_.*_r8_"
+
+
+def test_sm70_uses_the_pip_cuda12_toolchain() -> None:
+    plan = plan_for(70)
+    assert plan.frontend == "nvrtc" and "12." in plan.version
+
+
+@pytest.mark.slow
+def test_every_committed_sm70_kernel_compiles_without_spills() -> None:
+    res = build([70], progress=False)
+    rows = res.resources()
+    assert len(rows) >= 100
+    spills = {n: r for n, r in rows.items() if r["spill_stores"] or r["spill_loads"]}
+    assert not spills, f"kernels spill: {sorted(spills)[:5]}"
+    record = json.loads((res.build_dir / "sm_70" / "record.json").read_text())
+    assert all(record["kernels"][n]["resources"]["registers"] > 0 for n in rows)
+    for a in res.artifacts.values():
+        assert "mma.sync.aligned.m8n8k4" in a.ptx.read_text()
+    again = build([70], progress=False)
+    assert again.steps == 0, "a rebuild with nothing changed must do no work"
+
+
+def test_concurrent_builds_share_one_cache(tmp_path: Path) -> None:
+    code = ("import sys; from pathlib import Path; from dflashgen.build import build; "
+            f"r = build([70], only={SMALL!r}, build_dir=Path(sys.argv[1]), progress=False); "
+            "print(len(r.artifacts))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert int(out.strip().splitlines()[-1]) >= 1
+    res = build([70], only=SMALL, build_dir=tmp_path, progress=False)
+    assert res.steps == 0
+    assert not list(tmp_path.rglob("*.tmp")), "no partial outputs left behind"
+
+
+def test_prebuilt_kernels_are_used_without_a_toolchain(tmp_path: Path, monkeypatch) -> None:
+    build([70], only=SMALL, build_dir=tmp_path, progress=False)
+    import dflashgen.build as b
+    from dflashgen.toolchain import ToolchainError
+
+    def no_toolchain(arch: int, prefer: str = "auto"):
+        raise ToolchainError("no CUDA 12 here")
+
+    monkeypatch.setattr(b, "plan_for", no_toolchain)
+    res = b.build([70], only=SMALL, build_dir=tmp_path, progress=False)
+    assert res.toolchains == {70: "prebuilt"} and res.artifacts
+    (tmp_path / "sm_70" / "record.json").write_text("{not json")
+    with pytest.raises(ToolchainError, match="corrupt build record"):
+        b.build([70], only=SMALL, build_dir=tmp_path, progress=False)
+
+
+def test_parse_ptxas_log() -> None:
+    log = """ptxas info    : Compiling entry function 'k1' for 'sm_70'
+ptxas info    : Function properties for k1
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]
+"""
+    assert parse_ptxas_log(log) == {"k1": {"registers": 96, "spill_stores": 4, "spill_loads": 4, "smem": 4096}}
+
+
+def test_cache_root_env(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DFLASHGEN_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path

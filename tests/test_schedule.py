@@ -1,0 +1,69 @@
+"""Schedule space expansion: K plans depend on (arch, format, N, K) only; illegal tiles never emitted."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from dflashgen.schedule import KernelSpec, KPlan, Tile, candidates, illegal_reason, k_plan, load_space
+
+SHAPES = [(14336, 5120), (5120, 6144), (96, 5120), (24, 5120), (34816, 5120), (5120, 17408), (5120, 1536),
+          (8704, 5120), (5120, 4352)]
+
+
+@pytest.mark.parametrize("arch", [70, 80, 90])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_channel"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_candidate_shares_the_k_plan(arch: int, fmt: str, n: int, k: int) -> None:
+    cands = candidates(arch, fmt, n, k)
+    assert cands, "at least one legal tile per projection"
+    assert {c.kplan for c in cands} == {k_plan(arch, fmt, n, k)}
+    assert 8 in {c.tile.rows for c in cands}, "rows=8 must always exist so every M can be served"
+    for c in cands:
+        assert illegal_reason(c) is None
+        workers = c.kplan.split_k * c.kplan.warps_k
+        assert k // c.kplan.k_group >= workers
+
+
+def test_k_plan_examples() -> None:
+    # Large N fills the GPU with one warp per tile along K; tiny N splits K across warps and CTAs.
+    assert k_plan(90, "nvfp4", 34816, 5120) == KPlan(split_k=1, warps_k=1, k_group=64)
+    assert k_plan(90, "nvfp4", 96, 5120).split_k > 1
+    assert k_plan(70, "nvfp4", 24, 5120).warps_k == 8
+
+
+def _spec(**tile: int) -> KernelSpec:
+    base = Tile(rows=8, warp_nt=1, warps_n=2, stages=3)
+    return KernelSpec(90, "nvfp4", 5120, 6144, False, KPlan(1, 4, 64), replace(base, **tile))
+
+
+def test_legality_rules() -> None:
+    assert illegal_reason(_spec()) is None
+    assert "multiple of 8" in illegal_reason(_spec(rows=12))
+    assert "max_m" in illegal_reason(_spec(rows=128))
+    assert "threads" in illegal_reason(replace(_spec(warps_n=8), kplan=KPlan(1, 8, 64)))
+    assert "shared memory" in illegal_reason(replace(_spec(rows=64, warp_nt=2, warps_n=4)))
+    assert "registers" in illegal_reason(_spec(rows=64, warp_nt=2, stages=12))
+    bad_n = KernelSpec(90, "nvfp4", 48, 6144, False, KPlan(1, 4, 64), Tile(8, 2, 2, 3))
+    assert "warp_nt" in illegal_reason(bad_n)
+    bad_k = KernelSpec(90, "nvfp4", 64, 96, False, KPlan(1, 1, 64), Tile(8, 1, 2, 3))
+    assert "multiple" in illegal_reason(bad_k)
+    too_many_workers = KernelSpec(90, "nvfp4", 64, 128, False, KPlan(2, 2, 64), Tile(8, 1, 2, 3))
+    assert "workers" in illegal_reason(too_many_workers)
+
+
+def test_name_encodes_every_parameter() -> None:
+    s = _spec(rows=32, warp_nt=2, stages=4)
+    m = re.fullmatch(r"dfg_sm(\d+)_(\w+?)_(store|silu)_n(\d+)_k(\d+)_sk(\d+)_wk(\d+)_kg(\d+)_r(\d+)_nt(\d+)_wn(\d+)_st(\d+)",
+                     s.name)
+    assert m is not None
+    assert m.groups() == ("90", "nvfp4", "store", "5120", "6144", "1", "4", "64", "32", "2", "2", "4")
+
+
+def test_space_files_load() -> None:
+    for arch in (70, 80, 90):
+        sp = load_space(arch)
+        assert sp.arch == arch and sp.max_m >= 64
+        assert {8, 16, 32}.issubset(sp.tiles["rows"])

@@ -1,0 +1,1 @@
+"""Tuning tables: one JSON per GPU, written by `dflashgen tune`."""
