@@ -118,6 +118,8 @@ def nvcc_supports(arch: int) -> bool:
 def plan_for(arch: int, prefer: str = "auto") -> Plan:
     """sm_70 always uses the pip CUDA 12.9 toolchain; newer archs use the system nvcc when it is
     there (prefer='auto'), else NVRTC."""
+    if prefer == "prebuilt":  # AOT-only: never compile, use what the build folder already holds
+        raise ToolchainError("compiling disabled (AOT-only)")
     use_nvcc = prefer == "nvcc" or (prefer == "auto" and arch >= 75 and nvcc_supports(arch))
     if use_nvcc:
         nvcc = system_nvcc()

@@ -1,0 +1,159 @@
+"""The kernel library for one GPU: generated manifest + tuning table + built images, and the
+dispatch every quantized projection goes through.
+
+``KernelLibrary.gemm`` picks, per (problem, M), the tuned kernel (nearest tuned M >= requested) or
+the fallback (dequantize + cuBLAS), and counts which path each call took (``path_counts``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashgen import __version__
+from dflashgen.prepack import Layout, PackedWeight, prepack, unpack
+from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
+
+from .kernels import GemmKernel, native_arch
+from .table import Choice, TableError, TuningTable, problem_key, slug
+
+log = logging.getLogger("dflashgen")
+
+
+@lru_cache(maxsize=1)
+def kernel_library_hash() -> str:
+    """Identity of the generated kernel set (tables are only valid for the library they timed)."""
+    data = (resources.files("dflashgen.generated") / "manifest.json").read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def machine_fingerprint(device: torch.device) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(device)
+    driver = "unknown"
+    try:
+        from .driver import check, cu
+
+        v = int(check(cu().cuDriverGetVersion(), "cuDriverGetVersion"))
+        driver = f"{v // 1000}.{v % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - the fingerprint is informative here, never fatal
+        pass
+    return {"gpu": props.name, "arch": native_arch(device), "sms": props.multi_processor_count, "driver": driver,
+            "cuda": torch.version.cuda, "torch": torch.__version__, "dflashgen": __version__,
+            "kernel_library": kernel_library_hash()}
+
+
+def default_table_path(device: torch.device) -> Path:
+    name = slug(torch.cuda.get_device_properties(device).name)
+    return Path(str(resources.files("dflashgen.tuning"))) / f"{name}.json"
+
+
+def fallback_gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """Dequantize + cuBLAS: correct for any M, slow; the reference path when no kernel is admitted."""
+    w = dequantize_packed(packed).to(x.dtype)
+    y = x @ w.t()
+    if packed.layout.silu:
+        gate, up = y.float().chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return y
+
+
+def dequantize_packed(packed: PackedWeight) -> torch.Tensor:
+    """FP32 weights [N, K] from a packed weight (logical row order)."""
+    payload, scales = unpack(packed)
+    lay = packed.layout
+    if lay.fmt == "nvfp4":
+        ones = torch.ones(1, device=payload.device)
+        w = NVFP4Weight(pack_nibbles(payload), scales.view(torch.float8_e4m3fn), ones, (lay.n,))
+        return w.dequantize() * (packed.col_scale / 2.0**7)[:, None]
+    w8 = FP8ChannelWeight(payload.view(torch.float8_e4m3fn), packed.col_scale / 2.0**8)
+    return w8.dequantize()
+
+
+class KernelLibrary:
+    def __init__(self, device: torch.device | None = None, table: TuningTable | Path | None = None,
+                 on_mismatch: str = "error", build_dir: Path | None = None) -> None:
+        """on_mismatch: 'error' raises when the table is for another GPU/library, 'fallback'
+        logs it and serves everything through the fallback path."""
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.arch = native_arch(self.device)
+        self.build_dir = build_dir
+        self.path_counts: Counter[tuple[str, int, str]] = Counter()
+        self._kernels: dict[str, GemmKernel] = {}
+        self._entries: dict[str, dict[str, Any]] | None = None
+        self.table: TuningTable | None = None
+        path = table if isinstance(table, Path) else None
+        tbl = table if isinstance(table, TuningTable) else None
+        if tbl is None:
+            path = path or default_table_path(self.device)
+            if path.exists():
+                tbl = TuningTable.load(path)
+            else:
+                log.warning("dflashgen: no tuning table %s for this GPU: every projection uses the fallback", path)
+        if tbl is not None:
+            try:
+                for w in tbl.check_matches(machine_fingerprint(self.device)):
+                    log.warning("dflashgen: tuning table %s: %s", tbl.source, w)
+                self.table = tbl
+            except TableError:
+                if on_mismatch != "fallback":
+                    raise
+                log.warning("dflashgen: ignoring mismatched tuning table %s; using the fallback", tbl.source)
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        if self._entries is None:
+            from dflashgen.render import load_manifest
+
+            self._entries = {e["name"]: e for e in load_manifest()["kernels"]}
+        return self._entries
+
+    def layout(self, fmt: str, n: int, k: int, silu: bool = False) -> Layout:
+        return Layout(self.arch, fmt, n, k, silu)
+
+    def pack(self, w: NVFP4Weight | FP8ChannelWeight, silu: bool = False) -> PackedWeight:
+        fmt = "nvfp4" if isinstance(w, NVFP4Weight) else "fp8_channel"
+        return prepack(w, self.layout(fmt, w.n, w.k, silu))
+
+    def key(self, packed: PackedWeight) -> str:
+        lay = packed.layout
+        return problem_key(lay.arch, lay.fmt, "silu" if lay.silu else "store", lay.n, lay.k)
+
+    def choose(self, packed: PackedWeight, m: int) -> Choice:
+        key = self.key(packed)
+        if self.table is None:
+            return Choice("fallback", None, m, "no tuning table")
+        return self.table.lookup(key, m)
+
+    def kernel(self, name: str) -> GemmKernel:
+        if name not in self._kernels:
+            from dflashgen.build import build
+
+            entry = self.entries().get(name)
+            if entry is None:
+                raise TableError(f"tuning table names kernel {name}, which this dflashgen does not generate")
+            aot = os.environ.get("DFLASHGEN_AOT_ONLY") == "1"
+            res = build([entry["arch"]], only=f"^{name}$", build_dir=self.build_dir, progress=False,
+                        prefer="prebuilt" if aot else "auto")
+            art = res.artifacts[name]
+            image = art.cubin if entry["arch"] == self.arch else art.ptx
+            self._kernels[name] = GemmKernel(entry, image, max_m=1 << 16, device=self.device)
+        return self._kernels[name]
+
+    def gemm(self, x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        choice = self.choose(packed, m)
+        self.path_counts[(self.key(packed), m, choice.path)] += 1
+        if choice.path == "kernel" and choice.kernel is not None:
+            return self.kernel(choice.kernel)(x, packed, out)
+        y = fallback_gemm(x, packed)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
