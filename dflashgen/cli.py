@@ -67,6 +67,27 @@ def _verify(args: argparse.Namespace) -> int:
     return verify_main(args)
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from .tune import BUCKETS, run
+
+    ms = tuple(args.ms) if args.ms else BUCKETS
+    out = run(Path(args.targets) if args.targets else None, Path(args.out) if args.out else None,
+              only=args.only, ms=ms)
+    print(f"tuning table written: {out}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import REPORT_MS, run
+
+    ms = tuple(args.ms) if args.ms else REPORT_MS
+    rep = run(Path(args.table) if args.table else None, Path(args.out), Path(args.targets) if args.targets else None,
+              ms=ms, race_all=args.race_all, only=args.only)
+    print((Path(args.out) / "bench.md").read_text().split("## Per projection")[0])
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png ({rep['seconds']:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflashgen", description=__doc__)
     ap.add_argument("--version", action="version", version=f"dflashgen {__version__}")
@@ -100,6 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--ms", type=int, nargs="+", default=None)
     v.add_argument("--json", default=None, help="write results here")
     v.set_defaults(fn=_verify)
+
+    t = sub.add_parser("tune", help="race kernels vs cuBLAS per projection and M; write tuning/<gpu>.json")
+    t.add_argument("--targets", default=None, help="targets file (default schedules/targets.yaml)")
+    t.add_argument("--out", default=None, help="table path (default the package's tuning/<gpu>.json)")
+    t.add_argument("--only", default=None, help="substring of problem keys to tune")
+    t.add_argument("--ms", type=int, nargs="+", default=None, help="M buckets")
+    t.set_defaults(fn=_tune)
+
+    be = sub.add_parser("bench", help="measure the dispatched kernels vs cuBLAS and the roofline")
+    be.add_argument("--table", default=None)
+    be.add_argument("--out", default="bench")
+    be.add_argument("--targets", default=None)
+    be.add_argument("--only", default=None)
+    be.add_argument("--ms", type=int, nargs="+", default=None)
+    be.add_argument("--race-all", action="store_true", help="no table: race every candidate")
+    be.set_defaults(fn=_bench)
 
     args = ap.parse_args(argv)
     return int(args.fn(args) or 0)

@@ -104,20 +104,27 @@ class Layout:
         return (t, 4, 2, 4, g, 2), (0, 4, 2, 1, 3, 5)
 
 
+def _silu_view(layout: Layout) -> tuple[int, int]:
+    """Fused gate|up rows: layout row ((blk * a + i) * 2 + s) * b + j holds logical row
+    s * I + (blk * a + i) * b + j (s = 0 gate, 1 up): (a, b) = (1, 8) on sm80, (2, 2) on sm70."""
+    return (1, 8) if layout.fam == "sm80" else (2, 2)
+
+
+# Row permutations use views only (no index tensors, no host syncs): CUDA-graph safe.
 def _permute_rows(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    rows = layout.row_map().to(x.device)
-    out = torch.zeros((layout.n_pad, x.shape[1]), dtype=x.dtype, device=x.device)
-    valid = rows >= 0
-    out[valid] = x[rows[valid]]
-    return out
+    if layout.silu:
+        a, b = _silu_view(layout)
+        inter = layout.n // 2
+        return x.reshape(2, inter // (a * b), a, b, -1).permute(1, 2, 0, 3, 4).reshape(layout.n, -1)
+    return torch.nn.functional.pad(x, (0, 0, 0, layout.n_pad - layout.n))
 
 
 def _unpermute_rows(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    rows = layout.row_map().to(x.device)
-    out = torch.empty((layout.n, x.shape[1]), dtype=x.dtype, device=x.device)
-    valid = rows >= 0
-    out[rows[valid]] = x[valid]
-    return out
+    if layout.silu:
+        a, b = _silu_view(layout)
+        inter = layout.n // 2
+        return x.reshape(inter // (a * b), a, 2, b, -1).permute(2, 0, 1, 3, 4).reshape(layout.n, -1)
+    return x[: layout.n]
 
 
 def _to_stream(x: torch.Tensor, view: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
@@ -151,7 +158,7 @@ def prepack(w: NVFP4Weight | FP8ChannelWeight, layout: Layout) -> PackedWeight:
             raise WeightError(f"NVFP4 weight given to a {layout.fmt} layout")
         codes = _permute_rows(w.codes(), layout)
         stream = _to_stream(codes, layout.weight_view())
-        stream = stream.reshape(-1, 8)[:, list(NIBBLE_ORDER)].reshape(1, -1)
+        stream = stream.reshape(-1, 4, 2).transpose(1, 2).reshape(1, -1)  # NIBBLE_ORDER as a view
         weights = pack_nibbles(stream).reshape(-1)
         bs = _permute_rows(w.block_scale.view(torch.uint8), layout)
         scales = _to_stream(bs, layout.scale_view()).contiguous()
@@ -171,9 +178,8 @@ def unpack(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     [N, K], block scales uint8 [N, K/16] or None)."""
     lay = p.layout
     if lay.fmt == "nvfp4":
-        nib = unpack_nibbles(p.weights.reshape(1, -1)).reshape(-1, 8)
-        inv = [NIBBLE_ORDER.index(i) for i in range(8)]
-        stream = nib[:, inv].reshape(-1)
+        nib = unpack_nibbles(p.weights.reshape(1, -1))
+        stream = nib.reshape(-1, 2, 4).transpose(1, 2).reshape(-1)  # inverse of NIBBLE_ORDER
         codes = _unpermute_rows(_from_stream(stream, lay.weight_view(), lay.k), lay)
         scales = _unpermute_rows(_from_stream(p.scales, lay.scale_view(), lay.k // 16), lay)
         return codes, scales

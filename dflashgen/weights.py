@@ -65,13 +65,12 @@ class NVFP4Weight:
 
     def column_scale(self) -> torch.Tensor:
         """Per-output-channel global multiplier, float32 [N] (the segment's global scale)."""
-        sizes = torch.tensor(self.segments, device=self.global_scale.device)
-        return torch.repeat_interleave(self.global_scale, sizes)
+        # expand + cat, not repeat_interleave with a tensor: no host sync, so CUDA-graph safe
+        return torch.cat([self.global_scale[i : i + 1].expand(n) for i, n in enumerate(self.segments)])
 
     def dequantize(self) -> torch.Tensor:
         """Exact FP32 weights [N, K]."""
-        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.packed.device)
-        vals = lut[self.codes().long()]
+        vals = e2m1_to_float(self.codes())
         bs = self.block_scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1)
         return vals * bs * self.column_scale().to(vals.device)[:, None]
 
@@ -105,6 +104,16 @@ class FP8ChannelWeight:
 
 
 QuantWeight = NVFP4Weight | FP8ChannelWeight
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15) -> float32 values, by arithmetic (no lookup-table tensor, so it is
+    safe inside CUDA graph capture)."""
+    c = codes.to(torch.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).to(torch.float32)) * (1.0 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""`dflashgen bench`: re-measure what the tuning table dispatches, against cuBLAS FP16, cuBLAS FP8
+and the read roofline measured in the same run; write JSON, a Markdown table and a PNG plot.
+
+The weighted total over one 64-layer forward uses each projection's count per forward.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .tune import BUCKETS, problems_for, tune_problem
+
+REPORT_MS = (1, 8, 16, 32, 64)
+
+
+def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None, ms: tuple[int, ...] = REPORT_MS,
+        race_all: bool = False, only: str | None = None) -> dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+
+    from dflashgen.runtime.library import default_table_path, machine_fingerprint
+    from dflashgen.runtime.table import TuningTable
+
+    from .render import load_targets
+    from .timing import read_bandwidth
+    from .verify import artifacts_for
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", torch.cuda.current_device())
+    fp = machine_fingerprint(device)
+    arch = fp["arch"]
+    table = None
+    if not race_all:
+        table = TuningTable.load(table_path or default_table_path(device))
+        table.check_matches(fp)
+    arts = artifacts_for([arch], arch, None)
+    images = {n: (p, kind) for n, (_, p, kind) in arts.items()}
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e, _, _ in arts.values():
+        by_key[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+    bw = read_bandwidth(device)
+    results: dict[str, Any] = {}
+    t0 = time.time()
+    targets = load_targets(targets_path)
+    for p in tqdm([p for p in problems_for(targets, arch) if not only or only in p.key], desc="bench", unit="problem"):
+        entries = by_key[p.key]
+        if table is not None:
+            chosen = {b.get("kernel") for b in table.problems().get(p.key, {}).get("buckets", [])}
+            entries = [e for e in entries if e["name"] in chosen] or entries[:1]
+        results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89)
+        torch.cuda.empty_cache()
+    report = {"fingerprint": fp, "read_gbs": bw, "ms": list(ms), "seconds": time.time() - t0,
+              "table": str(table.source) if table else None, "problems": results,
+              "forward_totals": forward_totals(results, targets, arch, ms)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    (out_dir / "bench.md").write_text(markdown(report))
+    plot(report, out_dir / "bench.png")
+    return report
+
+
+def _ours(row: dict[str, Any]) -> float | None:
+    return row.get("us") or row.get("candidate_us")
+
+
+def forward_totals(results: dict[str, Any], targets: list[Any], arch: int, ms: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Per (TP, deployment, M): sum over the projections of one forward of count x time."""
+    from .render import problems
+
+    out = []
+    seen = set()
+    for t in targets:
+        if (t.tp, t.deployment.name) in seen:
+            continue
+        seen.add((t.tp, t.deployment.name))
+        for m in ms:
+            tot: dict[str, float] = defaultdict(float)
+            for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
+                if silu:
+                    continue
+                key = f"sm{arch}/{fmt}/store/n{proj.n}/k{proj.k}"
+                row = next((b for b in results.get(key, {}).get("buckets", []) if b["m"] == m), None)
+                if row is None:
+                    continue
+                ours = _ours(row) or row["baseline_us"]
+                dispatched = row["us"] if row.get("path") == "kernel" else row["baseline_us"]
+                bytes_ = results[key]["weight_bytes"]
+                tot["ours_ms"] += proj.count * ours / 1e3
+                tot["dispatched_ms"] += proj.count * dispatched / 1e3
+                tot["roofline_ms"] += proj.count * bytes_ / (results[key]["read_gbs"] * 1e3) / 1e3
+                for peer, us in row["peers_us"].items():
+                    tot[f"{peer}_ms"] += proj.count * us / 1e3
+            if tot:
+                tot_r = {k: round(v, 3) for k, v in tot.items()}
+                frac = tot["roofline_ms"] / tot["ours_ms"] if tot["ours_ms"] else 0.0
+                out.append({"tp": t.tp, "deployment": t.deployment.name, "m": m, **tot_r,
+                            "roofline_fraction": round(frac, 3)})
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    fp = report["fingerprint"]
+    lines = [f"# dflashgen bench on {fp['gpu']} (sm_{fp['arch']}, {fp['sms']} SMs)", "",
+             f"Measured read bandwidth: {report['read_gbs']:.0f} GB/s. Times are medians of CUDA-graph replays "
+             "with weights rotated through >= 3x L2; fraction = achieved weight-read GB/s over measured read "
+             "bandwidth.", "", "## One 64-layer forward (sum of count x time over the projection mix)", "",
+             "| TP | deployment | M | dflashgen ms | dispatched ms | cuBLAS FP16 ms | cuBLAS FP8 ms | roofline ms "
+             "| roofline fraction |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in report["forward_totals"]:
+        lines.append(f"| {t['tp']} | {t['deployment']} | {t['m']} | {t['ours_ms']:.2f} | {t['dispatched_ms']:.2f} | "
+                     f"{t.get('cublas_fp16_ms', float('nan')):.2f} | {t.get('cublas_fp8_ms', float('nan')):.2f} | "
+                     f"{t['roofline_ms']:.2f} | {t['roofline_fraction']:.0%} |")
+    lines += ["", "## Per projection", "",
+              "| problem | serves | M | ours us | GB/s | fraction | vs FP16 | vs FP8 | dispatched |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in sorted(report["problems"].items()):
+        for b in r["buckets"]:
+            ours = _ours(b)
+            if ours is None:
+                continue
+            gbs = r["weight_bytes"] / (ours * 1e3)
+            p = b["peers_us"]
+            vs16 = f"{p['cublas_fp16'] / ours:.2f}x" if "cublas_fp16" in p else "-"
+            vs8 = f"{p['cublas_fp8'] / ours:.2f}x" if "cublas_fp8" in p else "-"
+            serves = ", ".join(s.split("/", 1)[1] for s in r["serves"][:3])
+            lines.append(f"| {key} | {serves} | {b['m']} | {ours:.2f} | {gbs:.0f} | {gbs / r['read_gbs']:.0%} | "
+                         f"{vs16} | {vs8} | {b['path']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    probs = sorted(report["problems"].items())
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    for ax, fmt in zip(axes, ("nvfp4", "fp8_channel"), strict=True):
+        for key, r in probs:
+            if f"/{fmt}/" not in key:
+                continue
+            pts = [(b["m"], r["weight_bytes"] / (_ours(b) * 1e3) / r["read_gbs"]) for b in r["buckets"] if _ours(b)]
+            if pts:
+                label = key.split("/", 1)[1] + " (" + r["serves"][0].split("/")[-1] + ")"
+                ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        ax.set_title(f"{fmt}: fraction of measured read bandwidth")
+        ax.set_xlabel("M (rows)")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("roofline fraction")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+_ = BUCKETS

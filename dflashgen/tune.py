@@ -1,0 +1,255 @@
+"""`dflashgen tune`: race the generated kernels against the baselines per projection and M bucket
+on the GPU at hand, admit only verified measured winners, and write tuning/<gpu>.json.
+
+Per problem (arch, format, epilogue, N, K):
+1. prune candidates with a cost model (bytes incl. re-reads when rows < M, MMA work, waves);
+2. verify every survivor (rel L2 <= 1e-3, bitwise batch invariance vs M = 1 and 8-row slices);
+3. time survivors and baselines (cuBLAS FP16 on pre-dequantized weights, cuBLAS FP8 via
+   torch._scaled_mm where the GPU has FP8, and the dequantize+matmul fallback) with rotated
+   weights in CUDA graphs (dflashgen.timing);
+4. choose the K plan once per problem jointly over all buckets (the sum of best times), then per
+   bucket the fastest tile of that plan; admit it only if it beats the best baseline by more than
+   the measured noise, otherwise record the fallback and why.
+Results are journaled after every problem, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .prepack import Layout, PackedWeight, prepack
+from .timing import Timing, copies_for, graph_time, read_bandwidth
+from .verify import random_fp8, random_nvfp4
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 rates (H200 measured 643 TFLOP/s)
+
+
+@dataclass
+class Problem:
+    arch: int
+    fmt: str
+    silu: bool
+    n: int
+    k: int
+    serves: list[str] = field(default_factory=list)
+    count: int = 0  # instances per forward (for weighted totals)
+
+    @property
+    def key(self) -> str:
+        return f"sm{self.arch}/{self.fmt}/{'silu' if self.silu else 'store'}/n{self.n}/k{self.k}"
+
+    @property
+    def weight_bytes(self) -> int:
+        per = 0.5 + 1 / 16 if self.fmt == "nvfp4" else 1.0
+        return int(self.n * self.k * per)
+
+
+def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float) -> float:
+    """Cost model: DRAM bytes (weights re-read once per row block) vs MMA work, plus a ramp."""
+    prob_bytes = entry["n"] * entry["k"] * (0.5625 if entry["format"] == "nvfp4" else 1.0)
+    blocks = math.ceil(m / entry["tile"]["rows"])
+    t_mem = blocks * prob_bytes / (bw_gbs * 1e3)
+    padded_m = blocks * entry["tile"]["rows"]
+    t_mma = 2 * padded_m * entry["n_pad"] * entry["k"] / (MMA_TFLOPS.get(entry["arch"], 100.0) * 1e6)
+    return max(t_mem, t_mma) + 2.0
+
+
+def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6) -> list[dict[str, Any]]:
+    scored = sorted(entries, key=lambda e: model_time_us(e, m, bw_gbs))
+    best = model_time_us(scored[0], m, bw_gbs)
+    return [e for e in scored if model_time_us(e, m, bw_gbs) <= keep * best]
+
+
+def problems_for(targets: list[Any], arch: int) -> list[Problem]:
+    from .render import problems
+
+    out: dict[str, Problem] = {}
+    for t in targets:
+        for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
+            p = Problem(arch, fmt, silu, proj.n, proj.k)
+            p = out.setdefault(p.key, p)
+            p.serves.append(f"{t.model}/tp{t.tp}/{proj.name}" + ("+silu" if silu else ""))
+            p.count += proj.count
+    return [out[k] for k in sorted(out)]
+
+
+@dataclass
+class Baselines:
+    """Peers on the same problem, same M, same run."""
+
+    fp16: dict[int, Timing] = field(default_factory=dict)
+    fp8: dict[int, Timing] = field(default_factory=dict)
+    fallback: dict[int, Timing] = field(default_factory=dict)
+
+
+def _weights(p: Problem, device: torch.device, seed: int) -> tuple[Any, PackedWeight]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if p.fmt == "nvfp4":
+        w = random_nvfp4(p.n, p.k, (p.n // 2, p.n // 2) if p.silu else (p.n,), device, gen)
+    else:
+        w = random_fp8(p.n, p.k, device, gen)
+    return w, prepack(w, Layout(p.arch, p.fmt, p.n, p.k, p.silu))
+
+
+def time_kernel(kern: Any, packed: PackedWeight, x: torch.Tensor, copies: int) -> Timing:
+    # Copies share the codes but are distinct buffers, so each call reads DRAM.
+    ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
+                                  None if packed.scales is None else packed.scales.clone(), packed.col_scale)
+                     for _ in range(copies - 1)]
+    out = torch.empty((x.shape[0], kern.n_out), dtype=torch.float16, device=x.device)
+    return graph_time(lambda i: kern(x, ws[i], out), copies)
+
+
+def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device, fp8_ok: bool) -> Baselines:
+    from dflashgen.runtime.library import fallback_gemm
+
+    b = Baselines()
+    w16 = w.dequantize().to(torch.float16)
+    copies = copies_for(w16.numel() * 2, device)
+    w16s = [w16] + [w16.clone() for _ in range(copies - 1)]
+    for m in ms:
+        x = torch.randn(m, p.k, device=device, dtype=torch.float16)
+        o = torch.empty(m, p.n, device=device, dtype=torch.float16)
+        b.fp16[m] = graph_time(lambda i, x=x, o=o: torch.matmul(x, w16s[i].t(), out=o), copies)
+    del w16s
+    if fp8_ok:
+        w8 = w16.to(torch.float8_e4m3fn)
+        c8 = copies_for(w8.numel(), device)
+        w8s = [w8] + [w8.clone() for _ in range(c8 - 1)]
+        sb = torch.ones(1, p.n, device=device)
+        for m in ms:
+            mp = max(16, (m + 15) // 16 * 16)  # _scaled_mm wants M a multiple of 16
+            x8 = torch.randn(mp, p.k, device=device).to(torch.float8_e4m3fn)
+            sa = torch.ones(mp, 1, device=device)
+            try:
+                b.fp8[m] = graph_time(lambda i, x8=x8, sa=sa: torch._scaled_mm(
+                    x8, w8s[i].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), c8)
+            except (RuntimeError, TypeError):
+                break
+        del w8s
+    packed = prepack(w, Layout(p.arch, p.fmt, p.n, p.k, p.silu))
+    for m in ms:
+        x = torch.randn(m, p.k, device=device, dtype=torch.float16)
+        b.fallback[m] = graph_time(lambda i, x=x: fallback_gemm(x, packed), 1, replays=3, repeats=3)
+    return b
+
+
+def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tuple[Path, str]],
+                 device: torch.device, bw_gbs: float, ms: tuple[int, ...] = BUCKETS,
+                 fp8_ok: bool = True) -> dict[str, Any]:
+    """Measure one problem; return its table entry plus the raw measurements."""
+    from dflashgen.runtime import GemmKernel
+
+    from .verify import verify_problem
+
+    # Verification first: a candidate that is wrong or not batch-invariant never gets timed.
+    survivors = {e["name"] for m in ms for e in prune(entries, m, bw_gbs)}
+    cand = [e for e in entries if e["name"] in survivors]
+    reports = verify_problem(cand, images, tuple(sorted(set(ms) | {1, 8, 17})), device)
+    ok = {r.name for r in reports if r.ok}
+    w, packed = _weights(p, device, seed=1)
+    copies = copies_for(packed.weights.numel() + (packed.scales.numel() if packed.scales is not None else 0), device)
+    kernels = {e["name"]: GemmKernel(e, images[e["name"]][0], max_m=max(ms), device=device)
+               for e in cand if e["name"] in ok}
+    timings: dict[str, dict[int, Timing]] = defaultdict(dict)
+    for m in ms:
+        x = torch.randn(m, p.k, device=device, dtype=torch.float16)
+        for e in prune([e for e in cand if e["name"] in ok], m, bw_gbs):
+            timings[e["name"]][m] = time_kernel(kernels[e["name"]], packed, x, copies)
+    base = time_baselines(p, w, ms, device, fp8_ok)
+    # One K plan for all buckets (batch invariance), chosen by the sum of per-bucket best times.
+    by_plan: dict[str, list[str]] = defaultdict(list)
+    for name in timings:
+        e = next(e for e in cand if e["name"] == name)
+        by_plan[json.dumps(e["kplan"], sort_keys=True)].append(name)
+
+    def plan_cost(names: list[str]) -> float:
+        return sum(min((timings[n][m].us for n in names if m in timings[n]), default=1e9) for m in ms)
+
+    plan = min(by_plan, key=lambda k: plan_cost(by_plan[k])) if by_plan else None
+    buckets = []
+    for m in ms:
+        peers = {"cublas_fp16": base.fp16.get(m), "cublas_fp8": base.fp8.get(m), "fallback": base.fallback.get(m)}
+        peers = {k: v for k, v in peers.items() if v is not None}
+        best_peer = min(peers, key=lambda k: peers[k].us)
+        names = [n for n in (by_plan[plan] if plan else []) if m in timings[n]]
+        row: dict[str, Any] = {"m": m, "baseline": best_peer, "baseline_us": peers[best_peer].us,
+                               "noise_us": peers[best_peer].noise_us,
+                               "peers_us": {k: v.us for k, v in peers.items()}}
+        if names:
+            best = min(names, key=lambda n: timings[n][m].us)
+            t = timings[best][m]
+            row.update(candidate=best, candidate_us=t.us, candidate_noise_us=t.noise_us)
+            if t.beats(peers[best_peer]):
+                row.update(path="kernel", kernel=best, us=t.us, why=f"beats {best_peer} by "
+                           f"{peers[best_peer].us - t.us:.2f} us (noise {t.noise_us + peers[best_peer].noise_us:.2f})")
+            else:
+                row.update(path="fallback", kernel=None, us=None,
+                           why=f"best kernel {t.us:.2f} us does not beat {best_peer} {peers[best_peer].us:.2f} us")
+        else:
+            row.update(path="fallback", kernel=None, us=None, why="no verified candidate")
+        buckets.append(row)
+    return {
+        "kplan": json.loads(plan) if plan else None, "buckets": buckets, "serves": p.serves, "count": p.count,
+        "weight_bytes": p.weight_bytes, "verified": sorted(ok), "rejected": sorted({r.name for r in reports} - ok),
+        "read_gbs": bw_gbs,
+    }
+
+
+def run(targets_path: Path | None = None, out: Path | None = None, journal: Path | None = None,
+        only: str | None = None, ms: tuple[int, ...] = BUCKETS, progress: bool = True) -> Path:
+    from tqdm import tqdm
+
+    from dflashgen.runtime.library import default_table_path, machine_fingerprint
+    from dflashgen.runtime.table import TuningTable
+
+    from .render import load_targets
+    from .verify import artifacts_for
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", torch.cuda.current_device())
+    fp = machine_fingerprint(device)
+    arch = fp["arch"]
+    out = out or default_table_path(device)
+    journal = journal or out.with_suffix(".journal.json")
+    done: dict[str, Any] = {}
+    if journal.exists():  # resume
+        j = json.loads(journal.read_text())
+        if j.get("fingerprint") == fp:
+            done = j["problems"]
+    probs = [p for p in problems_for(load_targets(targets_path), arch) if not only or only in p.key]
+    arts = artifacts_for([arch], arch, None)
+    images = {n: (path, kind) for n, (_, path, kind) in arts.items()}
+    entries_by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e, _, _ in arts.values():
+        entries_by_key[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+    bw = read_bandwidth(device)
+    fp8_ok = arch >= 89
+    t0 = time.time()
+    for p in tqdm(probs, desc="tune", unit="problem", disable=not progress):
+        if p.key in done:
+            continue
+        done[p.key] = tune_problem(p, entries_by_key[p.key], images, device, bw, ms, fp8_ok)
+        journal.write_text(json.dumps({"fingerprint": fp, "problems": done}, indent=1))
+        torch.cuda.empty_cache()
+    table = TuningTable({"schema": 1, "tuned": True, "fingerprint": fp,
+                         "note": f"dflashgen tune on {fp['gpu']}: {len(done)} problems in {time.time() - t0:.0f} s; "
+                                 f"read bandwidth {bw:.0f} GB/s",
+                         "problems": {k: {"kplan": v["kplan"], "buckets": v["buckets"]} for k, v in done.items()}},
+                        str(out))
+    table.save(out)
+    report = out.with_suffix(".measurements.json")
+    report.write_text(json.dumps({"fingerprint": fp, "read_gbs": bw, "problems": done}, indent=1, sort_keys=True))
+    return out
+
+
+_ = asdict
