@@ -72,7 +72,7 @@ def read_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     out = torch.empty((), dtype=torch.float32, device=device)
 
     def step(_: int) -> None:
-        torch.sum(x, dtype=torch.float32, out=out)
+        torch.sum(x, dim=0, dtype=torch.float32, out=out)
 
     t = graph_time(step, copies=1, replays=5, repeats=5)
     del x
