@@ -89,7 +89,7 @@ def write_ninja(build_dir: Path, kernels: Sequence[dict[str, Any]], plans: dict[
         art = _artifact(build_dir, k["arch"], k["name"], fp)
         src = srcdir / f"{k['source_sha256'][:24]}.cu"
         if not src.exists():  # content-addressed copy: rewriting generated/ does not trigger builds
-            text = (src_root / k["file"]).read_text()
+            text = k["source"] if "source" in k else (src_root / k["file"]).read_text()
             tmp = src.with_name(f".{src.name}.{os.getpid()}")
             tmp.write_text(text)
             os.replace(tmp, src)
@@ -216,11 +216,13 @@ def _prebuilt(build_dir: Path, arch: int, kernels: Sequence[dict[str, Any]], why
 
 
 def build(archs: Iterable[int], only: str | None = None, jobs: int | None = None, prefer: str = "auto",
-          build_dir: Path | None = None, progress: bool = True) -> BuildResult:
+          build_dir: Path | None = None, progress: bool = True,
+          manifest: dict[str, Any] | None = None) -> BuildResult:
     """Build the manifest's kernels for ``archs`` (only what is missing from the content-keyed
-    cache); resources per kernel are recorded in <build_dir>/sm_XX/record.json."""
-    manifest = load_manifest()
-    build_dir = build_dir or cache_root() / "build"
+    cache); resources per kernel are recorded in <build_dir>/sm_XX/record.json. ``manifest`` may
+    name ad hoc kernels (entries carrying their ``source``), e.g. for schedule experiments."""
+    manifest = manifest or load_manifest()
+    build_dir = (build_dir or cache_root() / "build").resolve()  # ninja runs with -C: absolute paths
     build_dir.mkdir(parents=True, exist_ok=True)
     artifacts: dict[str, Artifact] = {}
     toolchains: dict[int, str] = {}

@@ -57,7 +57,8 @@ def _build(args: argparse.Namespace) -> int:
         print(f"registers: min {min(regs)} max {max(regs)}; kernels with spills: {len(spills)}")
     if args.verbose:
         for n, r in rows.items():
-            print(f"  {n:<72} regs {r['registers']:>3} smem {r['smem']:>6} spills {r['spill_stores']}/{r['spill_loads']}")
+            spill = f"{r['spill_stores']}/{r['spill_loads']}"
+            print(f"  {n:<72} regs {r['registers']:>3} smem {r['smem']:>6} spills {spill}")
     return 1 if spills and args.no_spills else 0
 
 
@@ -88,10 +89,48 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The main job: shapes -> generate (check) -> build -> on a GPU: verify, tune, bench."""
+    import torch
+
+    print("== projections (Qwen3.8-27B default; --model/--tp to change)")
+    for tp in (1, 4):
+        _shapes(argparse.Namespace(model=args.model, tp=tp, deployment=args.deployment))
+    print("\n== generate --check")
+    if _generate(argparse.Namespace(check=True, targets=None, out=None)) != 0:
+        return 1
+    gpu = torch.cuda.is_available()
+    archs = [70]
+    if gpu:
+        from .runtime import native_arch
+
+        archs = sorted({native_arch(), 70})
+    print(f"\n== build sm_{', sm_'.join(map(str, archs))}")
+    rc = _build(argparse.Namespace(arch=archs, only=None, jobs=None, toolchain="auto", no_spills=True,
+                                   verbose=False, quiet=False))
+    if rc or not gpu:
+        if not gpu:
+            print("\nno CUDA GPU here: kernels generated and compiled; run again on a GPU to verify, tune, bench")
+        return rc
+    print("\n== verify")
+    if _verify(argparse.Namespace(arch=archs, only=None, ms=None, json=None)) != 0:
+        return 1
+    print("\n== tune")
+    _tune(argparse.Namespace(targets=None, out=None, only=None, ms=None))
+    print("\n== bench")
+    return _bench(argparse.Namespace(table=None, out=args.out, targets=None, ms=None, race_all=False, only=None))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflashgen", description=__doc__)
     ap.add_argument("--version", action="version", version=f"dflashgen {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="the main job: shapes, generate --check, build; on a GPU verify, tune, bench")
+    r.add_argument("--model", default=None)
+    r.add_argument("--deployment", default=None)
+    r.add_argument("--out", default="bench", help="bench report folder")
+    r.set_defaults(fn=_run)
 
     s = sub.add_parser("shapes", help="print the projections derived from a model config")
     s.add_argument("--model", default=None, help="built-in name or config .json/.yaml (default qwen3.8-27b)")

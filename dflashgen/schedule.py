@@ -123,7 +123,7 @@ class KernelSpec:
     def grid(self, m: int) -> tuple[int, int, int]:
         tiles = self.layout.n_pad // self.layout.tile_rows
         per_cta = self.tile.warp_nt * self.tile.warps_n
-        return (math.ceil(tiles / per_cta), self.kplan.split_k, math.ceil(m / self.tile.rows))
+        return (math.ceil(m / self.tile.rows), math.ceil(tiles / per_cta), self.kplan.split_k)
 
     def workspace_floats(self, m: int) -> int:
         return self.kplan.split_k * m * self.layout.n_pad if self.kplan.split_k > 1 else 0

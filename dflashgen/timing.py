@@ -75,5 +75,4 @@ def read_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
         torch.sum(x, dim=0, dtype=torch.float32, out=out)
 
     t = graph_time(step, copies=1, replays=5, repeats=5)
-    del x
     return nbytes / (t.us * 1e-6) / 1e9

@@ -119,8 +119,8 @@ def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device
     for m in ms:
         x = torch.randn(m, p.k, device=device, dtype=torch.float16)
         o = torch.empty(m, p.n, device=device, dtype=torch.float16)
-        b.fp16[m] = graph_time(lambda i, x=x, o=o: torch.matmul(x, w16s[i].t(), out=o), copies)
-    del w16s
+        b.fp16[m] = graph_time(lambda i, x=x, o=o, ws=w16s: torch.matmul(x, ws[i].t(), out=o), copies)
+    w16s.clear()
     if fp8_ok:
         w8 = w16.to(torch.float8_e4m3fn)
         c8 = copies_for(w8.numel(), device)
@@ -131,11 +131,11 @@ def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device
             x8 = torch.randn(mp, p.k, device=device).to(torch.float8_e4m3fn)
             sa = torch.ones(mp, 1, device=device)
             try:
-                b.fp8[m] = graph_time(lambda i, x8=x8, sa=sa: torch._scaled_mm(
-                    x8, w8s[i].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), c8)
+                b.fp8[m] = graph_time(lambda i, x8=x8, sa=sa, ws=w8s: torch._scaled_mm(
+                    x8, ws[i].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), c8)
             except (RuntimeError, TypeError):
                 break
-        del w8s
+        w8s.clear()
     packed = prepack(w, Layout(p.arch, p.fmt, p.n, p.k, p.silu))
     for m in ms:
         x = torch.randn(m, p.k, device=device, dtype=torch.float16)

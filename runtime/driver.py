@@ -3,6 +3,7 @@ current stream. No torch C++ extension, so no dependency on torch's C++ ABI."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Sequence
 from functools import lru_cache
@@ -67,10 +68,8 @@ class Module:
     def __del__(self) -> None:
         h = getattr(self, "handle", None)
         if h is not None:
-            try:
+            with contextlib.suppress(Exception):  # interpreter shutdown may have torn down the driver
                 cu().cuModuleUnload(h)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 class Function:

@@ -45,7 +45,7 @@ class GemmKernel:
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
         per_cta = entry["tile"]["warp_nt"] * entry["tile"]["warps_n"]
-        self._grid_x = -(-tiles // per_cta)
+        self._grid_y = -(-tiles // per_cta)
         self.device = device
         self.image_path = image_path
         self._fns: tuple[Function, Function | None] | None = None
@@ -109,7 +109,7 @@ class GemmKernel:
         if self.split_k > 1:
             ws = torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=x.device)
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        grid = (self._grid_x, self.split_k, -(-m // self.rows))
+        grid = (-(-m // self.rows), self._grid_y, self.split_k)  # row blocks fastest: weights hit L2
         args = [_ptr(x), ctypes.c_int(m), _ptr(w.weights), _ptr(w.scales), _ptr(w.col_scale), _ptr(out),
                 _ptr(ws)]
         fn.launch(grid, (self.threads, 1, 1), args, stream)

@@ -11,8 +11,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from conftest import has_gpu
+
 from dflashgen.render import load_manifest
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +38,7 @@ GROUPS = _groups()
 @pytest.fixture(scope="session")
 def images():
     from dflashgen.runtime import native_arch
+
     from dflashgen.verify import artifacts_for
 
     native = native_arch()
@@ -58,8 +59,9 @@ def test_kernel_group(key: str, images) -> None:
 
 @pytest.fixture(scope="module")
 def small_kernel(images):
-    from dflashgen.prepack import Layout, prepack
     from dflashgen.runtime import GemmKernel, native_arch
+
+    from dflashgen.prepack import Layout, prepack
     from dflashgen.verify import random_nvfp4
 
     arch = native_arch()
@@ -74,8 +76,9 @@ def small_kernel(images):
 def test_bad_input_raises_and_writes_nothing(small_kernel) -> None:
     from dataclasses import replace
 
-    from dflashgen.prepack import Layout
     from dflashgen.runtime import KernelInputError
+
+    from dflashgen.prepack import Layout
 
     kern, packed, _ = small_kernel
     dev = torch.device("cuda", 0)

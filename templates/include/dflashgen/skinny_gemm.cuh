@@ -1,6 +1,8 @@
 // dflashgen: weight-streaming skinny GEMM, y[M, N] = x[M, K] W^T, FP16 in/out, FP32 accumulation.
 //
-// Grid: x = N tiles (WARPS_N * WARP_NT warp tiles per CTA), y = SPLIT_K, z = ceil(M / ROWS).
+// Grid: x = ceil(M / ROWS) row blocks, y = N tiles (WARPS_N * WARP_NT warp tiles per CTA),
+// z = SPLIT_K. Row blocks vary fastest, so the CTAs that share a weight tile run together and all
+// but the first find it in L2: weights cross DRAM once whatever M is.
 // Batch invariance: the K range is cut into G = K / KG groups and dealt to W = SPLIT_K * WARPS_K
 // workers in fixed contiguous ranges; each worker accumulates its groups in ascending order; the
 // WARPS_K workers of a CTA are summed in warp order through shared memory and the SPLIT_K CTA
@@ -50,10 +52,10 @@ struct SkinnyGemm {
                              __half* __restrict__ out, float* __restrict__ partial, Smem& smem) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
-    const int tile0 = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
-    const int worker = blockIdx.y * Cfg::WARPS_K + wk;
+    const int tile0 = (blockIdx.y * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
+    const int worker = blockIdx.z * Cfg::WARPS_K + wk;
     const int gb = worker * G / WORKERS, ge = (worker + 1) * G / WORKERS;
-    const int m0 = blockIdx.z * Cfg::ROWS;
+    const int m0 = blockIdx.x * Cfg::ROWS;
     const bool active = tile0 < TILES;  // TILES % WARP_NT == 0 (checked by the schedule)
 
     float acc[Cfg::WARP_NT][NT8][T::NACC];
@@ -150,7 +152,7 @@ struct SkinnyGemm {
           const int wrow = T::acc_wrow(e);
           const int lrow = tile * T::TILE_ROWS + wrow;  // layout row
           if constexpr (Cfg::SPLIT_K > 1) {
-            partial[(static_cast<size_t>(blockIdx.y) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+            partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
           } else if constexpr (SILU) {
             if (!T::acc_is_gate(e)) continue;
             const int jc = T::gate_col(tile, wrow);
