@@ -69,7 +69,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from .tune import BUCKETS, run
+    from .tune import BUCKETS, heuristic_table, run
+
+    if args.heuristic:
+        from dflashgen.runtime.table import TuningTable
+
+        out = Path(args.out) if args.out else generated_tuning_dir() / f"sm_{args.heuristic}.json"
+        TuningTable(heuristic_table(args.heuristic), str(out)).save(out)
+        print(f"untuned heuristic table written: {out}")
+        return 0
 
     ms = tuple(args.ms) if args.ms else BUCKETS
     out = run(Path(args.targets) if args.targets else None, Path(args.out) if args.out else None,
@@ -87,6 +95,12 @@ def _bench(args: argparse.Namespace) -> int:
     print((Path(args.out) / "bench.md").read_text().split("## Per projection")[0])
     print(f"wrote {args.out}/bench.json, bench.md, bench.png ({rep['seconds']:.0f} s)")
     return 0
+
+
+def generated_tuning_dir() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("dflashgen.tuning")))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", default=None, help="table path (default the package's tuning/<gpu>.json)")
     t.add_argument("--only", default=None, help="substring of problem keys to tune")
     t.add_argument("--ms", type=int, nargs="+", default=None, help="M buckets")
+    t.add_argument("--heuristic", type=int, metavar="ARCH", default=None,
+                   help="no GPU: write an untuned cost-model table for this arch (e.g. 70)")
     t.set_defaults(fn=_tune)
 
     be = sub.add_parser("bench", help="measure the dispatched kernels vs cuBLAS and the roofline")

@@ -53,15 +53,21 @@ def pip_ptxas() -> Path:
     return _need(d / "bin" / "ptxas" if d else None, "ptxas 12.x", "nvidia-cuda-nvcc-cu12")
 
 
-@lru_cache(maxsize=1)
-def include_dirs() -> tuple[Path, ...]:
-    """Our kernel headers, CUTLASS/CuTe, libcu++ (cuda/std) and the CUDA runtime headers."""
+@lru_cache(maxsize=2)
+def include_dirs(nvcc: bool = False) -> tuple[Path, ...]:
+    """Our kernel headers and CUTLASS/CuTe; for NVRTC also libcu++ (cuda/std) and the CUDA runtime
+    headers from the pip wheels (nvcc brings its own)."""
     here = Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
     cutlass = _pkg_dir("cutlass_library")
+    # DFLASHGEN_CUTLASS_INCLUDE: a CUTLASS checkout (or header subset) instead of the wheel's
+    cutlass_inc = Path(os.environ["DFLASHGEN_CUTLASS_INCLUDE"]) if os.environ.get("DFLASHGEN_CUTLASS_INCLUDE") \
+        else (cutlass / "source" / "include" if cutlass else None)
+    ours = (here, _need(cutlass_inc, "CUTLASS headers", "nvidia-cutlass"))
+    if nvcc:
+        return ours
     rt, cccl = _pkg_dir("nvidia.cuda_runtime"), _pkg_dir("nvidia.cuda_cccl")
     return (
-        here,
-        _need(cutlass / "source" / "include" if cutlass else None, "CUTLASS headers", "nvidia-cutlass"),
+        *ours,
         _need(cccl / "include" if cccl else None, "libcu++ headers", "nvidia-cuda-cccl-cu12"),
         _need(rt / "include" if rt else None, "CUDA runtime headers", "nvidia-cuda-runtime-cu12"),
     )
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ToolchainError("no system nvcc")
             tmp = args.out.with_name(f".{args.out.name}.{os.getpid()}.tmp")
             cmd = [str(nvcc), "-ptx", f"-arch=compute_{args.arch}", *CXX_FLAGS, "-o", str(tmp), str(args.src)]
-            cmd += [f"-I{d}" for d in include_dirs()[:2]]  # nvcc brings its own libcu++ and runtime
+            cmd += [f"-I{d}" for d in include_dirs(nvcc=True)]
             subprocess.run(cmd, check=True)
             os.replace(tmp, args.out)
     except (ToolchainError, subprocess.CalledProcessError) as e:

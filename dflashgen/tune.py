@@ -30,6 +30,7 @@ from .timing import Timing, copies_for, graph_time, read_bandwidth
 from .verify import random_fp8, random_nvfp4
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+L2_REREAD = 0.3
 MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 rates (H200 measured 643 TFLOP/s)
 
 
@@ -54,17 +55,19 @@ class Problem:
 
 
 def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float) -> float:
-    """Cost model: DRAM bytes (weights re-read once per row block) vs MMA work, plus a ramp."""
+    """Cost model: weight bytes (row blocks of one N tile run together, so re-reads mostly hit L2:
+    charged at L2_REREAD of a DRAM read) vs MMA work, plus a ramp."""
     prob_bytes = entry["n"] * entry["k"] * (0.5625 if entry["format"] == "nvfp4" else 1.0)
     blocks = math.ceil(m / entry["tile"]["rows"])
-    t_mem = blocks * prob_bytes / (bw_gbs * 1e3)
+    t_mem = (1 + L2_REREAD * (blocks - 1)) * prob_bytes / (bw_gbs * 1e3)
     padded_m = blocks * entry["tile"]["rows"]
     t_mma = 2 * padded_m * entry["n_pad"] * entry["k"] / (MMA_TFLOPS.get(entry["arch"], 100.0) * 1e6)
     return max(t_mem, t_mma) + 2.0
 
 
 def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6) -> list[dict[str, Any]]:
-    scored = sorted(entries, key=lambda e: model_time_us(e, m, bw_gbs))
+    # ties (rows that all cover M) go to the smallest tile: least padded work
+    scored = sorted(entries, key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
     best = model_time_us(scored[0], m, bw_gbs)
     return [e for e in scored if model_time_us(e, m, bw_gbs) <= keep * best]
 
@@ -143,6 +146,43 @@ def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device
     return b
 
 
+def choose(ms: tuple[int, ...], timings: dict[str, dict[int, Timing]], plans: dict[str, str],
+           peers: dict[int, dict[str, Timing]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Pure selection (testable without a GPU): one K plan for all buckets, chosen by the sum of
+    per-bucket best times (batch invariance forbids switching plans with M), then per bucket the
+    fastest tile of that plan, admitted only if it beats the best peer by more than the noise."""
+    by_plan: dict[str, list[str]] = defaultdict(list)
+    for name in timings:
+        by_plan[plans[name]].append(name)
+
+    def plan_cost(names: list[str]) -> float:
+        return sum(min((timings[n][m].us for n in names if m in timings[n]), default=1e9) for m in ms)
+
+    plan = min(sorted(by_plan), key=lambda k: plan_cost(by_plan[k])) if by_plan else None
+    buckets = []
+    for m in ms:
+        pm = peers[m]
+        best_peer = min(pm, key=lambda k: pm[k].us)
+        names = [n for n in (by_plan[plan] if plan else []) if m in timings[n]]
+        row: dict[str, Any] = {"m": m, "baseline": best_peer, "baseline_us": pm[best_peer].us,
+                               "noise_us": pm[best_peer].noise_us, "peers_us": {k: v.us for k, v in pm.items()}}
+        if names:
+            best = min(names, key=lambda n: (timings[n][m].us, n))
+            t = timings[best][m]
+            row.update(candidate=best, candidate_us=t.us, candidate_noise_us=t.noise_us)
+            if t.beats(pm[best_peer]):
+                gain = pm[best_peer].us - t.us
+                row.update(path="kernel", kernel=best, us=t.us,
+                           why=f"beats {best_peer} by {gain:.2f} us (noise {t.noise_us + pm[best_peer].noise_us:.2f})")
+            else:
+                row.update(path="fallback", kernel=None, us=None,
+                           why=f"best kernel {t.us:.2f} us does not beat {best_peer} {pm[best_peer].us:.2f} us")
+        else:
+            row.update(path="fallback", kernel=None, us=None, why="no verified candidate")
+        buckets.append(row)
+    return plan, buckets
+
+
 def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tuple[Path, str]],
                  device: torch.device, bw_gbs: float, ms: tuple[int, ...] = BUCKETS,
                  fp8_ok: bool = True) -> dict[str, Any]:
@@ -166,43 +206,32 @@ def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tu
         for e in prune([e for e in cand if e["name"] in ok], m, bw_gbs):
             timings[e["name"]][m] = time_kernel(kernels[e["name"]], packed, x, copies)
     base = time_baselines(p, w, ms, device, fp8_ok)
-    # One K plan for all buckets (batch invariance), chosen by the sum of per-bucket best times.
-    by_plan: dict[str, list[str]] = defaultdict(list)
-    for name in timings:
-        e = next(e for e in cand if e["name"] == name)
-        by_plan[json.dumps(e["kplan"], sort_keys=True)].append(name)
-
-    def plan_cost(names: list[str]) -> float:
-        return sum(min((timings[n][m].us for n in names if m in timings[n]), default=1e9) for m in ms)
-
-    plan = min(by_plan, key=lambda k: plan_cost(by_plan[k])) if by_plan else None
-    buckets = []
-    for m in ms:
-        peers = {"cublas_fp16": base.fp16.get(m), "cublas_fp8": base.fp8.get(m), "fallback": base.fallback.get(m)}
-        peers = {k: v for k, v in peers.items() if v is not None}
-        best_peer = min(peers, key=lambda k: peers[k].us)
-        names = [n for n in (by_plan[plan] if plan else []) if m in timings[n]]
-        row: dict[str, Any] = {"m": m, "baseline": best_peer, "baseline_us": peers[best_peer].us,
-                               "noise_us": peers[best_peer].noise_us,
-                               "peers_us": {k: v.us for k, v in peers.items()}}
-        if names:
-            best = min(names, key=lambda n: timings[n][m].us)
-            t = timings[best][m]
-            row.update(candidate=best, candidate_us=t.us, candidate_noise_us=t.noise_us)
-            if t.beats(peers[best_peer]):
-                row.update(path="kernel", kernel=best, us=t.us, why=f"beats {best_peer} by "
-                           f"{peers[best_peer].us - t.us:.2f} us (noise {t.noise_us + peers[best_peer].noise_us:.2f})")
-            else:
-                row.update(path="fallback", kernel=None, us=None,
-                           why=f"best kernel {t.us:.2f} us does not beat {best_peer} {peers[best_peer].us:.2f} us")
-        else:
-            row.update(path="fallback", kernel=None, us=None, why="no verified candidate")
-        buckets.append(row)
+    plans = {n: json.dumps(next(e for e in cand if e["name"] == n)["kplan"], sort_keys=True) for n in timings}
+    peers = {m: {k: v for k, v in (("cublas_fp16", base.fp16.get(m)), ("cublas_fp8", base.fp8.get(m)),
+                                   ("fallback", base.fallback.get(m))) if v is not None} for m in ms}
+    plan, buckets = choose(ms, timings, plans, peers)
     return {
         "kplan": json.loads(plan) if plan else None, "buckets": buckets, "serves": p.serves, "count": p.count,
         "weight_bytes": p.weight_bytes, "verified": sorted(ok), "rejected": sorted({r.name for r in reports} - ok),
         "read_gbs": bw_gbs,
     }
+
+
+def load_journal(path: Path, fp: dict[str, Any]) -> dict[str, Any]:
+    """Problems already measured by an interrupted run on this same machine and library."""
+    if not path.exists():
+        return {}
+    try:
+        j = json.loads(path.read_text())
+    except ValueError:
+        return {}  # a journal cut mid-write: start over rather than trust it
+    return j.get("problems", {}) if j.get("fingerprint") == fp else {}
+
+
+def save_journal(path: Path, fp: dict[str, Any], done: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"fingerprint": fp, "problems": done}, indent=1))
+    tmp.replace(path)
 
 
 def run(targets_path: Path | None = None, out: Path | None = None, journal: Path | None = None,
@@ -221,11 +250,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     arch = fp["arch"]
     out = out or default_table_path(device)
     journal = journal or out.with_suffix(".journal.json")
-    done: dict[str, Any] = {}
-    if journal.exists():  # resume
-        j = json.loads(journal.read_text())
-        if j.get("fingerprint") == fp:
-            done = j["problems"]
+    done = load_journal(journal, fp)
     probs = [p for p in problems_for(load_targets(targets_path), arch) if not only or only in p.key]
     arts = artifacts_for([arch], arch, None)
     images = {n: (path, kind) for n, (_, path, kind) in arts.items()}
@@ -239,7 +264,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
         if p.key in done:
             continue
         done[p.key] = tune_problem(p, entries_by_key[p.key], images, device, bw, ms, fp8_ok)
-        journal.write_text(json.dumps({"fingerprint": fp, "problems": done}, indent=1))
+        save_journal(journal, fp, done)
         torch.cuda.empty_cache()
     table = TuningTable({"schema": 1, "tuned": True, "fingerprint": fp,
                          "note": f"dflashgen tune on {fp['gpu']}: {len(done)} problems in {time.time() - t0:.0f} s; "
@@ -250,6 +275,37 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     report = out.with_suffix(".measurements.json")
     report.write_text(json.dumps({"fingerprint": fp, "read_gbs": bw, "problems": done}, indent=1, sort_keys=True))
     return out
+
+
+def heuristic_table(arch: int, targets_path: Path | None = None, bw_gbs: float = 800.0) -> dict[str, Any]:
+    """An untuned table for a GPU we cannot measure here (the V100): per problem and bucket the
+    candidate the cost model ranks first. Its fingerprint names only the arch, so it serves any
+    GPU of that arch until its owner runs `dflashgen tune`, which replaces it."""
+    from dflashgen.runtime.library import kernel_library_hash
+
+    from . import __version__
+    from .render import load_manifest, load_targets
+
+    entries: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in load_manifest()["kernels"]:
+        if e["arch"] == arch:
+            entries[f"sm{arch}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+    problems: dict[str, Any] = {}
+    for p in problems_for(load_targets(targets_path), arch):
+        cands = entries.get(p.key)
+        if not cands:
+            continue
+        buckets = []
+        for m in BUCKETS:
+            best = prune(cands, m, bw_gbs)[0]
+            buckets.append({"m": m, "path": "kernel", "kernel": best["name"], "us": None,
+                            "why": f"untuned: cost model {model_time_us(best, m, bw_gbs):.1f} us at {bw_gbs:.0f} GB/s"})
+        problems[p.key] = {"kplan": cands[0]["kplan"], "buckets": buckets}
+    return {"schema": 1, "tuned": False, "problems": problems,
+            "note": f"heuristic sm_{arch} table from the cost model, not measured: replace it by running "
+                    "`dflashgen tune` on the GPU",
+            "fingerprint": {"gpu": None, "arch": arch, "sms": None, "driver": None, "cuda": None, "torch": None,
+                            "dflashgen": __version__, "kernel_library": kernel_library_hash()}}
 
 
 _ = asdict

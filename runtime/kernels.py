@@ -46,7 +46,7 @@ class GemmKernel:
         tiles = self.n_pad // self.layout.tile_rows
         per_cta = entry["tile"]["warp_nt"] * entry["tile"]["warps_n"]
         self._grid_y = -(-tiles // per_cta)
-        self.device = device
+        self.device = torch.device(device.type, device.index if device.index is not None else 0)
         self.image_path = image_path
         self._fns: tuple[Function, Function | None] | None = None
 

@@ -1,0 +1,135 @@
+"""Tuner selection and tuning tables, without a GPU (fake timings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflashgen.runtime.table import TableError, TuningTable
+from dflashgen.timing import Timing
+from dflashgen.tune import choose, heuristic_table, load_journal, prune, save_journal
+
+MS = (8, 16, 64)
+FP = {"gpu": "NVIDIA H200", "arch": 90, "sms": 132, "driver": "13.0", "cuda": "13.0", "torch": "2.11",
+      "dflashgen": "0.1.0", "kernel_library": "abc"}
+
+
+def _peers(us: float, noise: float = 0.1) -> dict[int, dict[str, Timing]]:
+    return {m: {"cublas_fp16": Timing(us, noise), "fallback": Timing(us * 10, noise)} for m in MS}
+
+
+def test_kernel_admitted_only_beyond_noise() -> None:
+    timings = {"fast": {m: Timing(5.0, 0.1) for m in MS}}
+    _, rows = choose(MS, timings, {"fast": "A"}, _peers(10.0))
+    assert all(r["path"] == "kernel" and r["kernel"] == "fast" for r in rows)
+    within_noise = {"close": {m: Timing(9.8, 0.2) for m in MS}}
+    _, rows = choose(MS, within_noise, {"close": "A"}, _peers(10.0, noise=0.1))
+    assert all(r["path"] == "fallback" and "does not beat" in r["why"] for r in rows)
+
+
+def test_fallback_when_no_candidate_or_slower() -> None:
+    _, rows = choose(MS, {}, {}, _peers(10.0))
+    assert all(r["path"] == "fallback" and r["why"] == "no verified candidate" for r in rows)
+    slow = {"slow": {m: Timing(20.0, 0.1) for m in MS}}
+    _, rows = choose(MS, slow, {"slow": "A"}, _peers(10.0))
+    assert [r["baseline"] for r in rows] == ["cublas_fp16"] * 3
+    assert all(r["path"] == "fallback" for r in rows)
+
+
+def test_k_plan_chosen_jointly_over_buckets() -> None:
+    # plan B wins M=8 narrowly but loses M=64 badly: the joint choice is A, for every bucket.
+    timings = {
+        "a8": {8: Timing(5.1, 0.01), 16: Timing(5.5, 0.01), 64: Timing(6.0, 0.01)},
+        "b8": {8: Timing(5.0, 0.01), 16: Timing(5.6, 0.01), 64: Timing(9.0, 0.01)},
+    }
+    plan, rows = choose(MS, timings, {"a8": "A", "b8": "B"}, _peers(10.0))
+    assert plan == "A"
+    assert {r["kernel"] for r in rows} == {"a8"}
+
+
+def test_journal_resume(tmp_path: Path) -> None:
+    j = tmp_path / "t.journal.json"
+    assert load_journal(j, FP) == {}
+    save_journal(j, FP, {"p1": {"buckets": []}})
+    assert load_journal(j, FP) == {"p1": {"buckets": []}}
+    assert load_journal(j, {**FP, "gpu": "other"}) == {}, "a journal from another machine is not resumed"
+    j.write_text("{cut mid-wri")
+    assert load_journal(j, FP) == {}
+
+
+def _table(**fp) -> dict:
+    return {"schema": 1, "tuned": True, "fingerprint": {**FP, **fp}, "problems": {
+        "sm90/nvfp4/store/n64/k128": {"kplan": {}, "buckets": [
+            {"m": 8, "path": "kernel", "kernel": "k8"}, {"m": 32, "path": "kernel", "kernel": "k32"},
+            {"m": 64, "path": "fallback", "kernel": None}]}}}
+
+
+def test_lookup_nearest_tuned_m_at_or_above() -> None:
+    t = TuningTable(_table())
+    key = "sm90/nvfp4/store/n64/k128"
+    assert t.lookup(key, 1).kernel == "k8" and t.lookup(key, 8).kernel == "k8"
+    assert t.lookup(key, 9).kernel == "k32" and t.lookup(key, 32).bucket_m == 32
+    assert t.lookup(key, 33).path == "fallback"
+    assert t.lookup(key, 65).path == "fallback" and "above the largest" in t.lookup(key, 65).why
+    assert t.lookup("sm90/nvfp4/store/n1/k1", 8).path == "fallback"
+
+
+def test_table_round_trip_and_validation(tmp_path: Path) -> None:
+    p = tmp_path / "t.json"
+    TuningTable(_table(), str(p)).save(p)
+    assert TuningTable.load(p).data == _table()
+    p.write_text("{not json")
+    with pytest.raises(TableError, match="not valid JSON"):
+        TuningTable.load(p)
+    with pytest.raises(TableError, match="does not exist"):
+        TuningTable.load(tmp_path / "missing.json")
+    bad = _table()
+    bad["schema"] = 2
+    with pytest.raises(TableError, match="schema"):
+        TuningTable(bad)
+    bad = _table()
+    del bad["fingerprint"]["sms"]
+    with pytest.raises(TableError, match="fingerprint"):
+        TuningTable(bad)
+    bad = _table()
+    bad["problems"]["sm90/nvfp4/store/n64/k128"]["buckets"][0]["kernel"] = None
+    with pytest.raises(TableError, match="names no kernel"):
+        TuningTable(bad)
+
+
+def test_table_from_another_gpu_is_refused() -> None:
+    t = TuningTable(_table(), "h200.json")
+    assert t.check_matches(FP) == []
+    with pytest.raises(TableError, match="another GPU"):
+        t.check_matches({**FP, "gpu": "NVIDIA H100 80GB HBM3"})
+    with pytest.raises(TableError, match="kernel_library"):
+        t.check_matches({**FP, "kernel_library": "zzz"})
+    warnings = t.check_matches({**FP, "torch": "2.12"})
+    assert warnings and "torch" in warnings[0]
+
+
+def test_committed_heuristic_sm70_table_is_current() -> None:
+    from importlib import resources
+
+    path = Path(str(resources.files("dflashgen.tuning"))) / "sm_70.json"
+    committed = json.loads(path.read_text())
+    assert committed == json.loads(json.dumps(heuristic_table(70))), "run `dflashgen tune --heuristic 70`"
+    t = TuningTable(committed)
+    assert not t.tuned
+    here = {**FP, "gpu": "Tesla V100-SXM2-32GB", "arch": 70, "sms": 80,
+            "kernel_library": committed["fingerprint"]["kernel_library"]}
+    t.check_matches(here)  # an untuned table serves any GPU of its arch
+    with pytest.raises(TableError):
+        t.check_matches({**here, "arch": 80})
+
+
+def test_prune_keeps_the_cost_model_leader() -> None:
+    def entry(rows: int) -> dict:
+        return {"name": f"r{rows}", "format": "nvfp4", "n": 4096, "k": 4096, "n_pad": 4096, "arch": 90,
+                "tile": {"rows": rows}}
+
+    es = [entry(8), entry(16), entry(64)]
+    kept = [e["name"] for e in prune(es, 16, 4000.0)]
+    assert kept[0] == "r16" and "r8" in kept  # r8 reads weights twice (L2 may serve the second)
