@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--race-all", action="store_true", help="no table: race every candidate")
     be.set_defaults(fn=_bench)
 
+    from dflashgen.runtime.synthetic import add_synth_parser
+
+    add_synth_parser(sub)  # dflashgen synth-checkpoint: a random checkpoint in either layout
+
     args = ap.parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -18,6 +18,12 @@ from .weights import FP8ChannelWeight, NVFP4Weight, WeightError, pack_nibbles, u
 # consecutive K values, so that half2 pair j = (element 2j, 2j+1) sits in nibbles (j, j + 4).
 NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
+# Zero groups appended to every packed stream: the kernels' register pipeline prefetches up to
+# this many groups past a worker's range without bounds checks (PAD_GROUPS in decode.cuh).
+PAD_GROUPS = 8
+GROUP_BYTES = 512  # one 16-byte load per lane of a warp
+SCALE_GROUP_BYTES = 64
+
 ARCH_FAMILY = {70: "sm70", 75: "sm70", 80: "sm80", 86: "sm80", 89: "sm80", 90: "sm80"}
 TILE_ROWS = {"sm70": 32, "sm80": 16}
 K_GROUP = {("sm70", "nvfp4"): 32, ("sm70", "fp8_channel"): 16, ("sm80", "nvfp4"): 64, ("sm80", "fp8_channel"): 32}
@@ -170,6 +176,9 @@ def prepack(w: NVFP4Weight | FP8ChannelWeight, layout: Layout) -> PackedWeight:
         weights = _to_stream(raw, layout.weight_view()).contiguous()
         scales = None
         col = w.scale * 2.0**8
+    weights = torch.cat([weights, weights.new_zeros(PAD_GROUPS * GROUP_BYTES)])
+    if scales is not None:
+        scales = torch.cat([scales, scales.new_zeros(PAD_GROUPS * SCALE_GROUP_BYTES)])
     return PackedWeight(layout, weights.contiguous(), scales, col.to(torch.float32).contiguous())
 
 
@@ -177,13 +186,16 @@ def unpack(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Inverse of :func:`prepack` for the quantized payload: (codes uint8 [N, K] or FP8 bytes
     [N, K], block scales uint8 [N, K/16] or None)."""
     lay = p.layout
+    payload_bytes = lay.n_pad * lay.k // (2 if lay.fmt == "nvfp4" else 1)
+    weights = p.weights[:payload_bytes]  # drop the prefetch padding
     if lay.fmt == "nvfp4":
-        nib = unpack_nibbles(p.weights.reshape(1, -1))
+        nib = unpack_nibbles(weights.reshape(1, -1))
         stream = nib.reshape(-1, 2, 4).transpose(1, 2).reshape(-1)  # inverse of NIBBLE_ORDER
         codes = _unpermute_rows(_from_stream(stream, lay.weight_view(), lay.k), lay)
-        scales = _unpermute_rows(_from_stream(p.scales, lay.scale_view(), lay.k // 16), lay)
+        sc = p.scales[: lay.n_pad * lay.k // 16]
+        scales = _unpermute_rows(_from_stream(sc, lay.scale_view(), lay.k // 16), lay)
         return codes, scales
-    raw = _unpermute_rows(_from_stream(p.weights, lay.weight_view(), lay.k), lay)
+    raw = _unpermute_rows(_from_stream(weights, lay.weight_view(), lay.k), lay)
     return raw, None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .prepack import Layout, family
+from .prepack import PAD_GROUPS, Layout, family
 
 FORMAT_TAG = {"nvfp4": "nvfp4", "fp8_channel": "fp8"}
 
@@ -138,9 +138,11 @@ class KernelSpec:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
         a_frag = 16 if self.fmt == "nvfp4" else 8  # decoded A registers per warp tile and group
-        x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4
+        x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4  # per 8 rows, per group
         pipeline = self.tile.stages * self.tile.warp_nt * 5
-        return acc + self.tile.warp_nt * a_frag + 2 * x_frag + pipeline + self.tile.rows // 8 * 3 + 32
+        n8 = self.tile.rows // 8
+        # activations are double-buffered (current group + the one being fetched)
+        return acc + self.tile.warp_nt * a_frag + 2 * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,6 +184,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     tiles = lay.n_pad // lay.tile_rows
     groups = spec.k // lay.k_group
     t = spec.tile
+    if not 1 <= t.stages <= PAD_GROUPS:
+        return f"stages={t.stages} outside 1..{PAD_GROUPS} (the prepack pads {PAD_GROUPS} groups)"
     if t.rows % 8 or t.rows > space.max_m:
         return f"rows={t.rows} must be a multiple of 8 and <= max_m={space.max_m}"
     if tiles % t.warp_nt:

@@ -51,8 +51,11 @@ def machine_fingerprint(device: torch.device) -> dict[str, Any]:
 
 
 def default_table_path(device: torch.device) -> Path:
-    name = slug(torch.cuda.get_device_properties(device).name)
-    return Path(str(resources.files("dflashgen.tuning"))) / f"{name}.json"
+    """tuning/<gpu>.json (measured here by `dflashgen tune`), else tuning/sm_XX.json (heuristic)."""
+    root = Path(str(resources.files("dflashgen.tuning")))
+    measured = root / f"{slug(torch.cuda.get_device_properties(device).name)}.json"
+    generic = root / f"sm_{native_arch(device)}.json"
+    return measured if measured.exists() or not generic.exists() else generic
 
 
 def fallback_gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

@@ -117,9 +117,11 @@ class TuningTable:
         tmp.replace(path)
 
     def mismatches(self, here: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """Fingerprint keys that differ: {key: (table, here)}."""
+        """Fingerprint keys that differ: {key: (table, here)}. A None in an untuned (heuristic)
+        table means 'any': such a table is bound to an arch and a kernel library only."""
         return {k: (self.fingerprint.get(k), here.get(k)) for k in FINGERPRINT_KEYS
-                if k in here and self.fingerprint.get(k) != here.get(k)}
+                if k in here and self.fingerprint.get(k) != here.get(k)
+                and not (self.fingerprint.get(k) is None and not self.tuned)}
 
     def check_matches(self, here: dict[str, Any]) -> list[str]:
         """Raise TableError on a strict mismatch; return warnings for soft ones."""

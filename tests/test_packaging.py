@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,18 @@ print("ok", len(m["kernels"]))
 
 @pytest.mark.slow
 def test_non_editable_install_finds_package_data(tmp_path: Path) -> None:
+    # Install from a copy of what a clean clone holds: an in-tree build/ folder left by an earlier
+    # build could otherwise smuggle stale kernels into the wheel.
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, cwd=tmp_path)
+                    "--target", str(target), str(src)], check=True, cwd=tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(target)
     out = subprocess.run([sys.executable, "-c", PROBE, str(target)], capture_output=True, text=True,

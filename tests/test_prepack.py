@@ -29,6 +29,7 @@ def test_prepack_round_trip(arch: int, fmt: str, n: int, k: int, silu: bool) -> 
     w = _weight(fmt, n, k, silu)
     p = prepack(w, lay)
     assert p.weights.dtype == torch.uint8 and p.weights.numel() % 16 == 0
+    assert not p.weights[-4096:].any(), "prefetch padding is zeros"
     payload, scales = unpack(p)
     if fmt == "nvfp4":
         assert torch.equal(payload, w.codes())

@@ -29,7 +29,7 @@ def test_every_candidate_shares_the_k_plan(arch: int, fmt: str, n: int, k: int) 
 
 def test_k_plan_examples() -> None:
     # Large N fills the GPU with one warp per tile along K; tiny N splits K across warps and CTAs.
-    assert k_plan(90, "nvfp4", 34816, 5120) == KPlan(split_k=1, warps_k=1, k_group=64)
+    assert k_plan(90, "nvfp4", 34816, 5120) == KPlan(split_k=1, warps_k=2, k_group=64)
     assert k_plan(90, "nvfp4", 96, 5120).split_k > 1
     assert k_plan(70, "nvfp4", 24, 5120).warps_k == 8
 
@@ -45,7 +45,8 @@ def test_legality_rules() -> None:
     assert "max_m" in illegal_reason(_spec(rows=128))
     assert "threads" in illegal_reason(replace(_spec(warps_n=8), kplan=KPlan(1, 8, 64)))
     assert "shared memory" in illegal_reason(replace(_spec(rows=64, warp_nt=2, warps_n=4)))
-    assert "registers" in illegal_reason(_spec(rows=64, warp_nt=2, stages=12))
+    assert "stages" in illegal_reason(_spec(stages=12))
+    assert "registers" in illegal_reason(_spec(rows=64, warp_nt=2, stages=8))
     bad_n = KernelSpec(90, "nvfp4", 48, 6144, False, KPlan(1, 4, 64), Tile(8, 2, 2, 3))
     assert "warp_nt" in illegal_reason(bad_n)
     bad_k = KernelSpec(90, "nvfp4", 64, 96, False, KPlan(1, 1, 64), Tile(8, 1, 2, 3))

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from dflashgen.runtime.table import TableError, TuningTable
+
 from dflashgen.timing import Timing
 from dflashgen.tune import choose, heuristic_table, load_journal, prune, save_journal
 

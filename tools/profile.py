@@ -25,7 +25,8 @@ def main() -> None:
     path = arts[e["name"]][1]
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(0)
-    w = random_nvfp4(e["n"], e["k"], (e["n"],), dev, g) if e["format"] == "nvfp4" else random_fp8(e["n"], e["k"], dev, g)
+    n, k = e["n"], e["k"]
+    w = random_nvfp4(n, k, (n,), dev, g) if e["format"] == "nvfp4" else random_fp8(n, k, dev, g)
     packed = prepack(w, Layout(90, e["format"], e["n"], e["k"]))
     kern = GemmKernel(e, path, 64, dev)
     x = torch.randn(m, e["k"], device=dev, dtype=torch.float16)

@@ -17,20 +17,29 @@ namespace dflashgen {
 enum class Format : int { NVFP4 = 0, FP8 = 1 };
 enum class Epilogue : int { Store = 0, SiluMul = 1 };
 
+// Packed weight streams carry this many extra groups of zeros (see dflashgen/prepack.py) so the
+// register pipeline may prefetch past the end without a bounds check.
+constexpr int PAD_GROUPS = 8;
+
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// Weights are read exactly once: stream them past L1.
+// Weights are read exactly once: stream them past L1. `volatile` pins the load where the pipeline
+// issues it (STAGES groups ahead); a plain asm may be sunk next to its use, which kills the prefetch.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
   return r;
 }
 
-// Activations are re-read by every N tile: keep them cached.
-__device__ __forceinline__ uint4 ld_act(const __half* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// Activations are re-read by every N tile: keep them in L1; issued one group ahead (volatile, as above).
+__device__ __forceinline__ uint4 ld_act(const __half* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
 
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 d;

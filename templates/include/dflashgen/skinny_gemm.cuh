@@ -34,18 +34,7 @@ struct SkinnyGemm {
     float red[Cfg::WARPS_K > 1 ? Cfg::WARPS_K - 1 : 1][Cfg::WARPS_N][ACC][32];
   };
 
-  // Where each group's weights and scales live (prepacked, see dflashgen/prepack.py).
-  __device__ static const uint4* wptr(const uint4* wq, int tile, int grp) {
-    return wq + (static_cast<size_t>(tile) * G + grp) * 32 + (threadIdx.x & 31);
-  }
-  __device__ static typename T::Scale ld_scale(const void* sc, int tile, int grp) {
-    if constexpr (NVFP4) {
-      const auto* p = static_cast<const typename T::Scale*>(sc);
-      return __ldg(p + (static_cast<size_t>(tile) * G + grp) * T::SCALE_WORDS + T::scale_index());
-    } else {
-      return 0;
-    }
-  }
+  static_assert(Cfg::STAGES <= PAD_GROUPS, "prefetch past a worker's range must stay in the padded stream");
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
@@ -76,41 +65,68 @@ struct SkinnyGemm {
     }
 
     if (active) {
-      // Register pipeline: STAGES groups of weights in flight ahead of the MMAs.
+      // Running pointers: per group the weights advance 32 x 16 B, the scales SCALE_WORDS, the
+      // activations KG; inside the unrolled block every offset is a compile-time constant.
+      const uint4* wp[Cfg::WARP_NT];
+      const typename T::Scale* sp[Cfg::WARP_NT];
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i) {
+        const size_t g0 = static_cast<size_t>(tile0 + i) * G + gb;
+        wp[i] = wq + g0 * 32 + lane;
+        sp[i] = static_cast<const typename T::Scale*>(wscale) + g0 * T::SCALE_WORDS + T::scale_index();
+      }
+      const __half* xp[NT8];
+#pragma unroll
+      for (int j = 0; j < NT8; ++j) xp[j] = xrow[j] + gb * T::KG;
+      const int groups = ge - gb;  // >= 1: the schedule never has more K workers than groups
+
+      // Register pipeline: STAGES groups of weights in flight ahead of the MMAs. Loads past this
+      // worker's range stay inside the buffer (prepack pads the streams) and are never used.
       uint4 wbuf[Cfg::STAGES][Cfg::WARP_NT];
       typename T::Scale sbuf[Cfg::STAGES][Cfg::WARP_NT];
 #pragma unroll
       for (int s = 0; s < Cfg::STAGES; ++s)
-        if (gb + s < ge)
 #pragma unroll
-          for (int i = 0; i < Cfg::WARP_NT; ++i) {
-            wbuf[s][i] = ld_stream(wptr(wq, tile0 + i, gb + s));
-            sbuf[s][i] = ld_scale(wscale, tile0 + i, gb + s);
-          }
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          wbuf[s][i] = ld_stream(wp[i] + s * 32);
+          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + s * T::SCALE_WORDS);
+          else sbuf[s][i] = 0;
+        }
 
-      for (int grp = gb; grp < ge; grp += Cfg::STAGES) {
+      // Activations for the first group; later ones are fetched one group ahead of their MMAs.
+      typename T::XFrag xcur[NT8];
+#pragma unroll
+      for (int j = 0; j < NT8; ++j) T::load_x(xp[j], xok[j], 0, xcur[j]);
+
+      for (int g = 0; g < groups; g += Cfg::STAGES) {
 #pragma unroll
         for (int s = 0; s < Cfg::STAGES; ++s) {
-          const int cur = grp + s;
-          if (cur < ge) {
-            typename T::Frag frag[Cfg::WARP_NT];
+          if (g + s >= groups) break;
+          typename T::Frag frag[Cfg::WARP_NT];
 #pragma unroll
-            for (int i = 0; i < Cfg::WARP_NT; ++i) T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-            if (cur + Cfg::STAGES < ge)
-#pragma unroll
-              for (int i = 0; i < Cfg::WARP_NT; ++i) {
-                wbuf[s][i] = ld_stream(wptr(wq, tile0 + i, cur + Cfg::STAGES));
-                sbuf[s][i] = ld_scale(wscale, tile0 + i, cur + Cfg::STAGES);
-              }
-#pragma unroll
-            for (int j = 0; j < NT8; ++j) {
-              typename T::XFrag xf;
-              T::load_x(xrow[j], xok[j], cur * T::KG, xf);
-#pragma unroll
-              for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xf, acc[i][j]);
-            }
+          for (int i = 0; i < Cfg::WARP_NT; ++i) {
+            T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+            wbuf[s][i] = ld_stream(wp[i] + (s + Cfg::STAGES) * 32);
+            if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (s + Cfg::STAGES) * T::SCALE_WORDS);
           }
+          const bool more = g + s + 1 < groups;
+          typename T::XFrag xnext[NT8];
+#pragma unroll
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], xok[j] && more, (s + 1) * T::KG, xnext[j]);
+#pragma unroll
+          for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xcur[j], acc[i][j]);
+#pragma unroll
+          for (int j = 0; j < NT8; ++j) xcur[j] = xnext[j];
         }
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          wp[i] += Cfg::STAGES * 32;
+          sp[i] += Cfg::STAGES * T::SCALE_WORDS;
+        }
+#pragma unroll
+        for (int j = 0; j < NT8; ++j) xp[j] += Cfg::STAGES * T::KG;
       }
     }
 

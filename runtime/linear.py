@@ -1,0 +1,172 @@
+"""``QuantLinear``: an NVFP4 / channel-FP8 projection as a torch module, behind an opaque custom op.
+
+The packed operands are prepacked once at construction and live as buffers (so ``.to(device)``,
+``state_dict`` and CUDA graphs see them). ``forward`` calls ``torch.ops.dflashgen.quant_linear``,
+whose signature is tensors + one int handle: torch.compile traces it as a single opaque node (a
+fake impl gives the output shape) and never looks inside the driver-level kernel launch. The handle
+indexes a process-local registry holding what cannot be a tensor (the ``KernelLibrary`` and the
+``Layout``); the op rebuilds the ``PackedWeight`` from the buffers it is given, so moved or
+reloaded buffers are always the ones used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflashgen.prepack import Layout, PackedWeight, prepack
+from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, WeightError
+
+from .library import KernelLibrary, dequantize_packed, fallback_gemm
+
+__all__ = ["DEFAULT_ARCH", "QuantLinear", "quant_linear"]
+
+DEFAULT_ARCH = 90
+
+
+@dataclass(frozen=True)
+class _Entry:
+    library: KernelLibrary | None
+    layout: Layout
+
+
+_REGISTRY: dict[int, _Entry] = {}
+_IDS = itertools.count(1)
+
+
+def _register(library: KernelLibrary | None, layout: Layout, owner: object) -> int:
+    handle = next(_IDS)
+    _REGISTRY[handle] = _Entry(library, layout)
+    weakref.finalize(owner, _REGISTRY.pop, handle, None)  # the entry dies with its module
+    return handle
+
+
+def _entry(handle: int) -> _Entry:
+    try:
+        return _REGISTRY[handle]
+    except KeyError:
+        raise RuntimeError(f"dflashgen::quant_linear: unknown handle {handle} "
+                           "(its QuantLinear was garbage-collected)") from None
+
+
+@torch.library.custom_op(
+    "dflashgen::quant_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weights, Tensor? scales, Tensor col_scale, int handle) -> Tensor",
+)
+def quant_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None,
+                 col_scale: torch.Tensor, handle: int) -> torch.Tensor:
+    """y = x W^T (or SiLU(gate) * up) for x [M, K]: the generated kernel through the attached
+    library when x is on CUDA, else dequantize + matmul (any device, any float dtype)."""
+    e = _entry(handle)
+    packed = PackedWeight(e.layout, weights, scales, col_scale)
+    if x.is_cuda and e.library is not None:
+        return e.library.gemm(x, packed)
+    return fallback_gemm(x, packed)
+
+
+@quant_linear.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, col_scale: torch.Tensor,
+      handle: int) -> torch.Tensor:
+    lay = _entry(handle).layout
+    return x.new_empty((x.shape[0], lay.n // 2 if lay.silu else lay.n))
+
+
+def _to(w: NVFP4Weight | FP8ChannelWeight, device: torch.device) -> NVFP4Weight | FP8ChannelWeight:
+    if isinstance(w, NVFP4Weight):
+        return NVFP4Weight(w.packed.to(device), w.block_scale.to(device), w.global_scale.to(device), w.segments)
+    return FP8ChannelWeight(w.weight.to(device), w.scale.to(device))
+
+
+class QuantLinear(torch.nn.Module):
+    """A quantized projection y = x W^T (no bias). ``silu=True`` is the fused gate|up variant that
+    returns SiLU(gate) * up, of width N/2."""
+
+    weights: torch.Tensor
+    scales: torch.Tensor | None
+    col_scale_bits: torch.Tensor
+
+    def __init__(self, weight: NVFP4Weight | FP8ChannelWeight, name: str = "", *, silu: bool = False,
+                 library: KernelLibrary | None = None, arch: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        """arch: the prepack layout's target (default: the library's, else sm_90). device: where to
+        prepack and keep the buffers (default: the library's device, else the weight's)."""
+        super().__init__()
+        if not isinstance(weight, (NVFP4Weight, FP8ChannelWeight)):
+            raise TypeError(f"{name}: QuantLinear needs an NVFP4Weight or FP8ChannelWeight, "
+                            f"got {type(weight).__name__}")
+        if library is not None and arch is not None and arch != library.arch:
+            raise ValueError(f"{name}: arch sm_{arch} disagrees with the library's sm_{library.arch}")
+        arch = library.arch if library is not None else (arch or DEFAULT_ARCH)
+        fmt = "nvfp4" if isinstance(weight, NVFP4Weight) else "fp8_channel"
+        self.name = name
+        self.layout = Layout(arch, fmt, weight.n, weight.k, silu)
+        self.segments: tuple[int, ...] = getattr(weight, "segments", (weight.n,))
+        device = device if device is not None else (library.device if library is not None else None)
+        if device is not None:  # prepack where the buffers will live (fast on a GPU, no extra copy)
+            weight = _to(weight, torch.device(device))
+        try:
+            packed = prepack(weight, self.layout)
+        except WeightError as e:
+            raise type(e)(f"{name}: {e}") from e
+        self.register_buffer("weights", packed.weights)
+        self.register_buffer("scales", packed.scales)
+        # Stored as int32 bits so module.half() / .to(dtype) cannot round the fp32 scales.
+        self.register_buffer("col_scale_bits", packed.col_scale.view(torch.int32))
+        self._library = library
+        self._handle = _register(library, self.layout, self)
+
+    @property
+    def fmt(self) -> str:
+        return self.layout.fmt
+
+    @property
+    def silu(self) -> bool:
+        return self.layout.silu
+
+    @property
+    def in_features(self) -> int:
+        return self.layout.k
+
+    @property
+    def out_features(self) -> int:
+        return self.layout.n // 2 if self.layout.silu else self.layout.n
+
+    @property
+    def col_scale(self) -> torch.Tensor:
+        return self.col_scale_bits.view(torch.float32)
+
+    @property
+    def library(self) -> KernelLibrary | None:
+        return self._library
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.layout, self.weights, self.scales, self.col_scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
+        return dequantize_packed(self.packed())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.layout.k
+        if x.shape[-1] != k or not x.is_floating_point():
+            raise ValueError(f"{self.name}: expected a float input [..., {k}], "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
+        y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name!r}, format={self.fmt}, N={self.layout.n}, K={self.layout.k}, "
+                f"silu={self.silu}, arch=sm_{self.layout.arch}, segments={self.segments}, "
+                f"path={'library' if self._library is not None else 'fallback'}")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # deepcopy / unpickle: the copy gets its own handle (the original's dies with it).
+        super().__setstate__(state)
+        self._handle = _register(self._library, self.layout, self)
