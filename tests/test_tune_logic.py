@@ -38,6 +38,14 @@ def test_fallback_when_no_candidate_or_slower() -> None:
     assert all(r["path"] == "fallback" for r in rows)
 
 
+def test_cublas_fp8_is_reported_but_does_not_block_admission() -> None:
+    peers = {m: {"cublas_fp16": Timing(10.0, 0.1), "cublas_fp8": Timing(4.0, 0.1), "fallback": Timing(99.0, 0.1)}
+             for m in MS}
+    _, rows = choose(MS, {"k": {m: Timing(6.0, 0.1) for m in MS}}, {"k": "A"}, peers)
+    assert all(r["path"] == "kernel" and r["baseline"] == "cublas_fp16" for r in rows)
+    assert all(r["peers_us"]["cublas_fp8"] == 4.0 for r in rows)
+
+
 def test_k_plan_chosen_jointly_over_buckets() -> None:
     # plan B wins M=8 narrowly but loses M=64 badly: the joint choice is A, for every bucket.
     timings = {
