@@ -27,7 +27,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
 
     from .render import load_targets
     from .timing import read_bandwidth
-    from .verify import artifacts_for
+    from .verify import native_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", torch.cuda.current_device())
@@ -37,11 +37,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     if not race_all:
         table = TuningTable.load(table_path or default_table_path(device))
         table.check_matches(fp)
-    arts = artifacts_for([arch], arch, None)
-    images = {n: (p, kind) for n, (_, p, kind) in arts.items()}
-    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for e, _, _ in arts.values():
-        by_key[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+    images, by_key = native_kernels(arch)
     bw = read_bandwidth(device)
     results: dict[str, Any] = {}
     t0 = time.time()

@@ -48,6 +48,8 @@ def render_kernel(spec: KernelSpec) -> str:
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
         epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,
+        # For 512-thread CTAs ptxas' default register target (~40) spills; one block per SM is enough.
+        min_blocks=", 1" if spec.threads >= 512 else "",
     )
 
 

@@ -247,7 +247,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     from dflashgen.runtime.table import TuningTable
 
     from .render import load_targets
-    from .verify import artifacts_for
+    from .verify import native_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", torch.cuda.current_device())
@@ -257,11 +257,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     journal = journal or out.with_suffix(".journal.json")
     done = load_journal(journal, fp)
     probs = [p for p in problems_for(load_targets(targets_path), arch) if not only or only in p.key]
-    arts = artifacts_for([arch], arch, None)
-    images = {n: (path, kind) for n, (_, path, kind) in arts.items()}
-    entries_by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for e, _, _ in arts.values():
-        entries_by_key[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+    images, entries_by_key = native_kernels(arch)
     bw = read_bandwidth(device)
     fp8_ok = arch >= 89
     t0 = time.time()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -147,6 +146,21 @@ def artifacts_for(archs: list[int], native: int, only: str | None) -> dict[str, 
     return {n: (entries[n], p, kind) for n, (_, p, kind) in out.items()}
 
 
+def group_key(e: dict[str, Any]) -> str:
+    """Kernels with the same key share a layout and a K plan: one problem."""
+    return f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"
+
+
+def native_kernels(arch: int) -> tuple[dict[str, tuple[Path, str]], dict[str, list[dict[str, Any]]]]:
+    """This GPU's kernels: name -> (image, kind), and the manifest entries grouped by problem."""
+    arts = artifacts_for([arch], arch, None)
+    images = {n: (path, kind) for n, (_, path, kind) in arts.items()}
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e, _, _ in arts.values():
+        groups[group_key(e)].append(e)
+    return images, groups
+
+
 def run(archs: list[int] | None = None, only: str | None = None, ms: tuple[int, ...] = DEFAULT_MS,
         progress: bool = True) -> list[KernelReport]:
     from tqdm import tqdm
@@ -160,8 +174,7 @@ def run(archs: list[int] | None = None, only: str | None = None, ms: tuple[int, 
     arts = artifacts_for(archs, native, only)
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for name in sorted(arts):
-        e = arts[name][0]
-        groups[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
+        groups[group_key(arts[name][0])].append(arts[name][0])
     images = {n: (p, kind) for n, (_, p, kind) in arts.items()}
     reports: list[KernelReport] = []
     bar = tqdm(total=len(arts), desc="verify", unit="kernel", disable=not progress)
@@ -192,5 +205,3 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return 1 if bad or not reports else 0
 
-
-_ = re  # (kept for --only patterns in callers)

@@ -28,7 +28,7 @@ struct Cfg {
 using Gemm = dflashgen::SkinnyGemm<Cfg>;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 1)
 dfg_sm80_fp8_store_n96_k5120_sk4_wk8_kg32_r16_nt1_wn2_st3(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
     const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial) {
   __shared__ Gemm::Smem smem;

@@ -73,7 +73,8 @@ struct SkinnyGemm {
       for (int i = 0; i < Cfg::WARP_NT; ++i) {
         const size_t g0 = static_cast<size_t>(tile0 + i) * G + gb;
         wp[i] = wq + g0 * 32 + lane;
-        sp[i] = static_cast<const typename T::Scale*>(wscale) + g0 * T::SCALE_WORDS + T::scale_index();
+        if constexpr (NVFP4) sp[i] = static_cast<const typename T::Scale*>(wscale) + g0 * T::SCALE_WORDS + T::scale_index();
+        else sp[i] = nullptr;
       }
       const __half* xp[NT8];
 #pragma unroll
@@ -123,7 +124,7 @@ struct SkinnyGemm {
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
           wp[i] += Cfg::STAGES * 32;
-          sp[i] += Cfg::STAGES * T::SCALE_WORDS;
+          if constexpr (NVFP4) sp[i] += Cfg::STAGES * T::SCALE_WORDS;
         }
 #pragma unroll
         for (int j = 0; j < NT8; ++j) xp[j] += Cfg::STAGES * T::KG;
