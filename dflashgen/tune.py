@@ -77,7 +77,11 @@ def problems_for(targets: list[Any], arch: int) -> list[Problem]:
     from .render import problems
 
     out: dict[str, Problem] = {}
+    seen = set()
     for t in targets:
+        if (t.model, t.tp, t.deployment.name) in seen:  # one target per arch lists the same projections
+            continue
+        seen.add((t.model, t.tp, t.deployment.name))
         for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
             p = Problem(arch, fmt, silu, proj.n, proj.k)
             p = out.setdefault(p.key, p)
