@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections import Counter
 from functools import lru_cache
 from importlib import resources
@@ -22,6 +21,7 @@ from dflashgen import __version__
 from dflashgen.prepack import Layout, PackedWeight, prepack, unpack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
 
+from .images import resolve
 from .kernels import GemmKernel, native_arch
 from .table import Choice, TableError, TuningTable, problem_key, slug
 
@@ -92,6 +92,7 @@ class KernelLibrary:
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.path_counts: Counter[tuple[str, int, str]] = Counter()
         self._kernels: dict[str, GemmKernel] = {}
+        self.image_sources: dict[str, str] = {}  # kernel -> "package" | "cache" | "built"
         self._entries: dict[str, dict[str, Any]] | None = None
         self.table: TuningTable | None = None
         path = table if isinstance(table, Path) else None
@@ -150,17 +151,12 @@ class KernelLibrary:
 
     def kernel(self, name: str) -> GemmKernel:
         if name not in self._kernels:
-            from dflashgen.build import build
-
             entry = self.entries().get(name)
             if entry is None:
                 raise TableError(f"tuning table names kernel {name}, which this dflashgen does not generate")
-            aot = os.environ.get("DFLASHGEN_AOT_ONLY") == "1"
-            res = build([entry["arch"]], only=f"^{name}$", build_dir=self.build_dir, progress=False,
-                        prefer="prebuilt" if aot else "auto")
-            art = res.artifacts[name]
-            image = art.cubin if entry["arch"] == self.arch else art.ptx
-            self._kernels[name] = GemmKernel(entry, image, max_m=1 << 16, device=self.device)
+            image = resolve(entry, self.arch, build_dir=self.build_dir)  # package, cache, or compile now
+            self.image_sources[name] = image.source
+            self._kernels[name] = GemmKernel(entry, image.path, max_m=1 << 16, device=self.device)
         return self._kernels[name]
 
     def gemm(self, x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:

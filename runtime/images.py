@@ -1,0 +1,110 @@
+"""Where a kernel's loadable image comes from, in order:
+
+1. **package**: cubin/PTX shipped inside the installed package (``dflashgen/generated/bin``, made at
+   wheel-build time by ``DFLASHGEN_AOT_ARCHS="70 80 90" pip wheel .``): no compiler on the machine;
+2. **cache**: an earlier build in the content-keyed cache (``$DFLASHGEN_CACHE``);
+3. **built**: compiled now, on first use, with a visible log line (NVRTC/ptxas from the pip
+   wheels, or nvcc), into the cache under its file lock.
+
+``DFLASHGEN_AOT_ONLY=1`` turns step 3 into an error. A packaged image is used only if its source
+hash matches the kernel the manifest describes, so a stale binary is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflashgen")
+
+BIN_INDEX = "index.json"
+
+
+class KernelImageError(RuntimeError):
+    """No loadable image for a kernel (AOT-only and not prebuilt, or the build failed)."""
+
+
+@dataclass(frozen=True)
+class Image:
+    path: Path
+    kind: str  # "cubin" | "ptx"
+    source: str  # "package" | "cache" | "built"
+
+
+def bin_root() -> Path:
+    return Path(str(resources.files("dflashgen.generated"))) / "bin"
+
+
+@lru_cache(maxsize=4)
+def _index(root: Path) -> dict[str, Any]:
+    path = root / BIN_INDEX
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())["kernels"]
+    except (ValueError, KeyError) as e:
+        raise KernelImageError(f"corrupt prebuilt kernel index {path}: {e}") from e
+
+
+def aot_only() -> bool:
+    return os.environ.get("DFLASHGEN_AOT_ONLY", "") not in ("", "0")
+
+
+def resolve(entry: dict[str, Any], native_arch: int, root: Path | None = None,
+            build_dir: Path | None = None) -> Image:
+    """The image to load for ``entry`` on a GPU of ``native_arch``: its cubin when the kernel is
+    for that arch, else its PTX (JIT-compiled by the driver)."""
+    kind = "cubin" if entry["arch"] == native_arch else "ptx"
+    root = root or bin_root()
+    packaged = _index(root).get(entry["name"])
+    if packaged is not None and packaged.get("source_sha256") == entry["source_sha256"]:
+        path = root / packaged[kind]
+        if path.exists():
+            return Image(path, kind, "package")
+    from dflashgen.build import build
+    from dflashgen.toolchain import ToolchainError
+
+    only = f"^{entry['name']}$"
+    try:  # a cache hit never compiles; the "prebuilt" toolchain plan never does
+        res = build([entry["arch"]], only=only, build_dir=build_dir, progress=False, prefer="prebuilt")
+        return Image(getattr(res.artifacts[entry["name"]], kind), kind, "cache")
+    except ToolchainError:
+        pass
+    if aot_only():
+        raise KernelImageError(f"{entry['name']} (sm_{entry['arch']}) is not prebuilt in {root} or the build "
+                               "cache, and DFLASHGEN_AOT_ONLY is set: install a wheel built with "
+                               "DFLASHGEN_AOT_ARCHS, or unset DFLASHGEN_AOT_ONLY to compile it on first use")
+    log.warning("dflashgen: compiling %s for sm_%s on first use (cached afterwards)", entry["name"], entry["arch"])
+    try:
+        res = build([entry["arch"]], only=only, build_dir=build_dir, progress=False)
+    except ToolchainError as e:
+        raise KernelImageError(f"cannot build {entry['name']}: {e}") from e
+    return Image(getattr(res.artifacts[entry["name"]], kind), kind, "built")
+
+
+def package_binaries(archs: list[int], out_root: Path, build_dir: Path | None = None) -> int:
+    """Build every manifest kernel for ``archs`` and copy cubin + PTX under ``out_root`` with an
+    index (used by the wheel build). Returns the number of kernels packaged."""
+    import shutil
+
+    from dflashgen.build import build
+    from dflashgen.render import load_manifest
+
+    entries = {e["name"]: e for e in load_manifest()["kernels"]}
+    res = build(archs, build_dir=build_dir, progress=True)
+    index: dict[str, Any] = {}
+    for name, art in sorted(res.artifacts.items()):
+        sub = out_root / f"sm_{art.arch}"
+        sub.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(art.cubin, sub / f"{name}.cubin")
+        shutil.copyfile(art.ptx, sub / f"{name}.ptx")
+        index[name] = {"source_sha256": entries[name]["source_sha256"], "cubin": f"sm_{art.arch}/{name}.cubin",
+                       "ptx": f"sm_{art.arch}/{name}.ptx", "toolchain": res.toolchains[art.arch]}
+    (out_root / BIN_INDEX).write_text(json.dumps({"kernels": index}, indent=1, sort_keys=True))
+    return len(index)
