@@ -110,7 +110,7 @@ class Plan:
     version: str  # toolchain identity for the build fingerprint
 
     def describe(self) -> str:
-        return f"sm_{self.arch}: {self.frontend} + {self.ptxas} ({self.version})"
+        return f"{self.frontend} + {self.ptxas} ({self.version})"
 
 
 def nvcc_supports(arch: int) -> bool:
