@@ -15,6 +15,7 @@ SMALL = Path(__file__).parent / "data" / "targets-small.yaml"
 def test_tuned_table_drives_dispatch(tmp_path: Path) -> None:
     from dflashgen.runtime.library import KernelLibrary
     from dflashgen.runtime.table import TuningTable
+
     from dflashgen.tune import run
     from dflashgen.verify import random_nvfp4
     from dflashgen.weights import reference_gemm, rel_l2
