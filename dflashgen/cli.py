@@ -97,6 +97,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overhead(args: argparse.Namespace) -> int:
+    from .overhead import run
+
+    res = run(Path(args.out) if args.out else None, m=args.m)
+    for k, v in res.items():
+        print(f"{k:<22} {v:8.2f} us")
+    return 0
+
+
 def generated_tuning_dir() -> Path:
     from importlib import resources
 
@@ -192,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--ms", type=int, nargs="+", default=None)
     be.add_argument("--race-all", action="store_true", help="no table: race every candidate")
     be.set_defaults(fn=_bench)
+
+    o = sub.add_parser("overhead", help="host cost per projection call (outside graphs) and in-graph cost")
+    o.add_argument("--m", type=int, default=8)
+    o.add_argument("--out", default=None, help="write JSON here")
+    o.set_defaults(fn=_overhead)
 
     from dflashgen.runtime.synthetic import add_synth_parser
 

@@ -18,7 +18,8 @@ step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $(
 step dflashgen build --arch 90 -j 16 --no-spills -q 2>&1 | tail -3
 step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee "$OUT/verify.log"
 step python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest-gpu.log"
+step dflashgen overhead 2>&1 | tail -6 | tee "$OUT/overhead.txt"
 TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
 step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
-cp "$TUNE/nvidia-h200.json" "$TUNE/nvidia-h200.measurements.json" "$OUT/"
+cp "$TUNE/nvidia-h200.json" "$OUT/"
 step dflashgen bench --table "$OUT/nvidia-h200.json" --out "$OUT/bench" 2>&1 | grep -v "bench:" | tail -24
