@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from dflashgen.runtime.images import KernelImageError, _index, package_binaries, resolve
 
 from dflashgen.build import build
 from dflashgen.render import load_manifest
-from dflashgen.runtime.images import KernelImageError, _index, package_binaries, resolve
 
 SMALL = "dfg_sm70_nvfp4_store_n24_k5120_.*_r8_nt1_"
 
