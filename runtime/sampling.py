@@ -1,0 +1,266 @@
+"""Speculative-decoding verification (rejection sampling): the dense torch reference.
+
+One round for a uniform decode batch: request ``b`` proposes ``D`` draft tokens, the target scores
+``D + 1`` positions, and ``verify`` returns how many drafts are accepted plus one recovered (first
+rejection) or bonus (all accepted) token. The procedure reproduces the target distribution exactly.
+
+Randomness is an input, never drawn inside: ``Uniforms.accept[b, i]`` decides draft ``i`` and
+``Uniforms.sample[b, n]`` draws the token emitted at position ``n = accepted[b]`` (later uniforms
+are unused). Categoricals are sampled by ``sample_categorical`` (inverse CDF over token ids in
+ascending order), so a fused kernel given the same float32 uniforms reproduces this path; results
+can only differ where a uniform falls within the rounding of a float32 CDF boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "Uniforms", "VerifyResult", "sample_categorical", "target_probs", "verify"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling: ``temperature`` 0 = greedy, ``top_k`` 0 = off, ``top_p`` 1 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= _MASK64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class Uniforms:
+    """All randomness of one round: ``accept`` [B, D] and ``sample`` [B, D+1], float32 in [0, 1)."""
+
+    accept: torch.Tensor
+    sample: torch.Tensor
+
+    @classmethod
+    def draw(
+        cls,
+        batch: int,
+        num_drafts: int,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> Uniforms:
+        """``accept`` then ``sample`` from ``generator`` (on its own device), moved to ``device``."""
+        if batch < 0 or num_drafts < 0:
+            raise ValueError(f"batch and num_drafts must be >= 0, got {batch}, {num_drafts}")
+        gen_dev = generator.device if generator is not None else torch.device("cpu")
+        accept = torch.rand((batch, num_drafts), generator=generator, device=gen_dev, dtype=torch.float32)
+        sample = torch.rand((batch, num_drafts + 1), generator=generator, device=gen_dev, dtype=torch.float32)
+        dev = gen_dev if device is None else device
+        return cls(accept.to(dev), sample.to(dev))
+
+    @classmethod
+    def for_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        num_drafts: int,
+        step: int,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> Uniforms:
+        """Like ``draw``, but a request with ``seed`` gets uniforms that depend only on (seed, step),
+        so its tokens do not depend on which other requests share the batch."""
+        u = cls.draw(len(params), num_drafts, generator, "cpu")
+        accept, sample = u.accept.clone(), u.sample.clone()
+        for i, sp in enumerate(params):
+            if sp.seed is not None:
+                g = torch.Generator().manual_seed(_splitmix64(sp.seed ^ _splitmix64(step & _MASK64)))
+                accept[i] = torch.rand(num_drafts, generator=g)
+                sample[i] = torch.rand(num_drafts + 1, generator=g)
+        dev = torch.device("cpu") if device is None else device
+        return cls(accept.to(dev), sample.to(dev))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: torch.Tensor  # [B] long: number of accepted drafts
+    tokens: torch.Tensor  # [B, D+1] long: accepted drafts, then the recovered/bonus token, -1 padded
+    emitted: torch.Tensor  # [B] long: accepted + 1
+
+
+def _check(
+    t: object,
+    name: str,
+    dims: str,
+    shape: tuple[int, ...] | None,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    n = dims.count(",") + 1
+    if t.dim() != n or (shape is not None and tuple(t.shape) != shape):
+        want = f"{dims} = {shape}" if shape is not None else dims
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of target_logits)")
+    return t
+
+
+def _param_tensors(
+    params: Sequence[SamplingParams], batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(params, SamplingParams) or len(params) != batch:
+        got = "a single SamplingParams" if isinstance(params, SamplingParams) else f"{len(params)} entries"
+        raise ValueError(f"params must hold one SamplingParams per request (B = {batch}), got {got}")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+    temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=device)
+    top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=device)
+    return temp, top_k, top_p, temp == 0
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` [B, T, V] -> float32 probabilities [B, T, V]: temperature, top-k, top-p, renormalise.
+
+    Ranking is by scaled logit, ties broken by lower token id (top-k keeps the lower ids; top-p keeps
+    the smallest prefix of that order whose mass reaches ``top_p``, on the top-k-renormalised
+    distribution). Greedy requests get a one-hot at the argmax (lowest id among ties).
+    """
+    _check(logits, "logits", "[B, T, V]", None, _FLOATS)
+    B, T, V = logits.shape
+    if V == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension V")
+    temp, top_k, top_p, greedy = _param_tensors(params, B, logits.device)
+    # Greedy rows are divided by 1: only their argmax is used.
+    x = logits.float() / torch.where(greedy, 1.0, temp).view(B, 1, 1)
+    if bool((torch.isnan(x) | torch.isposinf(x)).any()) or not bool(torch.isfinite(x).any(-1).all()):
+        raise ValueError("logits (after temperature) must be free of NaN/+inf with a finite entry in every row")
+
+    # Stable descending sort: equal logits keep ascending id order, so every tie is decided by id.
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=x.device)
+    keep = (rank < torch.where(top_k == 0, V, top_k).view(B, 1, 1)).expand(B, T, V)
+    cum = torch.softmax(sorted_x.masked_fill(~keep, -math.inf), dim=-1).cumsum(-1)
+    mass_before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
+    # top_p == 1 is "off" explicitly: the float32 prefix mass may reach 1.0 before the tail.
+    keep = keep & ((mass_before < top_p.view(B, 1, 1)) | (top_p >= 1).view(B, 1, 1))
+    mask = torch.zeros_like(keep).scatter(-1, order, keep)
+    probs = torch.softmax(x.masked_fill(~mask, -math.inf), dim=-1)
+
+    one_hot = torch.nn.functional.one_hot(order[..., 0], V).to(torch.float32)
+    return torch.where(greedy.view(B, 1, 1), one_hot, probs)
+
+
+def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from non-negative ``weights`` [N, V] (need not sum to 1) with ``u`` [N] in [0, 1).
+
+    ``cdf = cumsum(weights)`` over ids in ascending order; the result is the first id with
+    ``cdf > u * cdf[-1]``. If rounding pushes the threshold past the end, the last id with positive
+    weight is returned (never a zero-weight id). Rows without positive weight return -1.
+    """
+    cdf = weights.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    ids = torch.arange(weights.shape[-1], device=weights.device)
+    last = torch.where(weights > 0, ids, -1).amax(-1)
+    return torch.minimum(idx, last)
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: Uniforms,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Verify ``D`` drafts per request against target logits at ``D + 1`` positions.
+
+    greedy: accept while draft == argmax; emit the argmax at the first mismatch (or at D).
+    no ``draft_probs`` (one-hot drafter): accept x iff u < p(x); on rejection sample p without x.
+    ``draft_probs`` q: accept x iff p(x) > 0 and u * q(x) <= p(x); on rejection sample max(p - q, 0)
+    (p itself if that has no mass, which only an unnormalised q allows).
+    All accepted: a bonus token is sampled from p at position D.
+    """
+    _check(draft_tokens, "draft_tokens", "[B, D]", None, (torch.long,))
+    B, D = draft_tokens.shape
+    _check(target_logits, "target_logits", "[B, D+1, V]", None, _FLOATS)
+    V = target_logits.shape[-1]
+    dev = target_logits.device
+    _check(target_logits, "target_logits", "[B, D+1, V]", (B, D + 1, V), _FLOATS)
+    _check(draft_tokens, "draft_tokens", "[B, D]", (B, D), (torch.long,), dev)
+    if not isinstance(uniforms, Uniforms):
+        raise TypeError(f"uniforms must be a Uniforms, got {type(uniforms).__name__}")
+    f32 = (torch.float32,)
+    u_acc = _check(uniforms.accept, "uniforms.accept", "[B, D]", (B, D), f32, dev)
+    u_smp = _check(uniforms.sample, "uniforms.sample", "[B, D+1]", (B, D + 1), f32, dev)
+    for name, u in (("uniforms.accept", u_acc), ("uniforms.sample", u_smp)):
+        if not bool(((u >= 0) & (u < 1)).all()):
+            raise ValueError(f"{name} must lie in [0, 1)")
+    if D and not bool(((draft_tokens >= 0) & (draft_tokens < V)).all()):
+        raise ValueError(f"draft_tokens must be token ids in [0, V = {V})")
+    q = None
+    if draft_probs is not None:
+        q = _check(draft_probs, "draft_probs", "[B, D, V]", (B, D, V), _FLOATS, dev).float()
+        if not bool((torch.isfinite(q) & (q >= 0)).all()):
+            raise ValueError("draft_probs must be finite and >= 0")
+
+    p = target_probs(target_logits, params)
+    greedy = _param_tensors(params, B, dev)[3]
+    rows = torch.arange(B, device=dev)
+
+    # Acceptance tests for all positions at once; the accepted count is the leading run.
+    p_x = p[:, :D].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    if q is None:
+        ok = u_acc < p_x
+    else:
+        q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        ok = (p_x > 0) & (u_acc * q_x <= p_x)  # p(x) > 0: never emit a token the target excludes
+    ok = torch.where(greedy.unsqueeze(-1), draft_tokens == p[:, :D].argmax(-1), ok)
+    accepted = ok.long().cumprod(-1).sum(-1) if D else torch.zeros(B, dtype=torch.long, device=dev)
+
+    # One token per request at position n = accepted: recovery if n < D, else bonus from p.
+    p_n = p[rows, accepted]
+    residual = p_n
+    if D:
+        n = accepted.clamp(max=D - 1)
+        if q is None:
+            res = p_n.scatter(-1, draft_tokens[rows, n].unsqueeze(-1), 0.0)
+        else:
+            res = (p_n - q[rows, n]).clamp_min(0.0)
+        residual = torch.where((accepted < D).unsqueeze(-1), res, p_n)
+        residual = torch.where((residual > 0).any(-1, keepdim=True), residual, p_n)
+    token = sample_categorical(residual, u_smp[rows, accepted])
+    token = torch.where(greedy, p_n.argmax(-1), token)
+
+    pos = torch.arange(D, device=dev)
+    tokens = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
+    tokens[:, :D] = torch.where(pos < accepted.unsqueeze(-1), draft_tokens, -1)
+    tokens.scatter_(1, accepted.unsqueeze(-1), token.unsqueeze(-1))
+    return VerifyResult(accepted=accepted, tokens=tokens, emitted=accepted + 1)
