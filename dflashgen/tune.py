@@ -33,6 +33,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 SERVABLE_PEERS = ("cublas_fp16", "fallback")
 L2_REREAD = 0.3
 MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 rates (H200 measured 643 TFLOP/s)
+SMS = {70: 80, 80: 108, 90: 132}  # reference parts (V100, A100, H100/H200)
 
 
 @dataclass
@@ -55,15 +56,24 @@ class Problem:
         return int(self.n * self.k * per)
 
 
-def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float) -> float:
+def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float, sms: int = 0) -> float:
     """Cost model: weight bytes (row blocks of one N tile run together, so re-reads mostly hit L2:
-    charged at L2_REREAD of a DRAM read) vs MMA work, plus a ramp."""
+    charged at L2_REREAD of a DRAM read) vs MMA work, stretched by wave quantisation (a partial
+    last wave of CTAs still costs a whole wave), plus a ramp."""
     prob_bytes = entry["n"] * entry["k"] * (0.5625 if entry["format"] == "nvfp4" else 1.0)
-    blocks = math.ceil(m / entry["tile"]["rows"])
+    tile = entry["tile"]
+    blocks = math.ceil(m / tile["rows"])
     t_mem = (1 + L2_REREAD * (blocks - 1)) * prob_bytes / (bw_gbs * 1e3)
-    padded_m = blocks * entry["tile"]["rows"]
+    padded_m = blocks * tile["rows"]
     t_mma = 2 * padded_m * entry["n_pad"] * entry["k"] / (MMA_TFLOPS.get(entry["arch"], 100.0) * 1e6)
-    return max(t_mem, t_mma) + 2.0
+    sms = sms or SMS.get(entry["arch"], 100)
+    tile_rows = 16 if entry["arch"] >= 80 else 32
+    ctas = blocks * math.ceil(entry["n_pad"] / tile_rows / (tile["warp_nt"] * tile["warps_n"])) \
+        * entry["kplan"]["split_k"]
+    per_wave = sms * max(1, min(32, 2048 // entry["threads"]))
+    waves = math.ceil(ctas / per_wave)
+    quantisation = waves * per_wave / ctas if ctas >= per_wave else 1.0
+    return max(t_mem, t_mma) * quantisation + 2.0
 
 
 def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6) -> list[dict[str, Any]]:

@@ -133,10 +133,20 @@ def test_committed_heuristic_sm70_table_is_current() -> None:
         t.check_matches({**here, "arch": 80})
 
 
+def test_cost_model_charges_a_partial_last_wave() -> None:
+    from dflashgen.tune import model_time_us
+
+    base = {"name": "k", "format": "nvfp4", "n": 16 * 2 * 132 * 8, "k": 4096, "arch": 90,
+            "tile": {"rows": 8, "warp_nt": 1, "warps_n": 2}, "kplan": {"split_k": 1}, "threads": 256}
+    full = model_time_us({**base, "n_pad": base["n"]}, 8, 4000.0)  # exactly one wave of CTAs
+    ragged = {**base, "n": base["n"] + 32, "n_pad": base["n"] + 32}  # one CTA spills into a 2nd wave
+    assert model_time_us(ragged, 8, 4000.0) > 1.5 * (full - 2.0)
+
+
 def test_prune_keeps_the_cost_model_leader() -> None:
     def entry(rows: int) -> dict:
         return {"name": f"r{rows}", "format": "nvfp4", "n": 4096, "k": 4096, "n_pad": 4096, "arch": 90,
-                "tile": {"rows": rows}}
+                "tile": {"rows": rows, "warp_nt": 1, "warps_n": 2}, "kplan": {"split_k": 1}, "threads": 256}
 
     es = [entry(8), entry(16), entry(64)]
     kept = [e["name"] for e in prune(es, 16, 4000.0)]
