@@ -151,3 +151,17 @@ def test_prune_keeps_the_cost_model_leader() -> None:
     es = [entry(8), entry(16), entry(64)]
     kept = [e["name"] for e in prune(es, 16, 4000.0)]
     assert kept[0] == "r16" and "r8" in kept  # r8 reads weights twice (L2 may serve the second)
+
+
+def test_committed_measured_tables_match_the_kernel_library() -> None:
+    """A measured table for another kernel library is refused at run time; keep committed ones
+    current (re-run `dflashgen tune` on that GPU after changing kernels, or remove the table)."""
+    from importlib import resources
+
+    from dflashgen.runtime.library import kernel_library_hash
+
+    for path in Path(str(resources.files("dflashgen.tuning"))).glob("*.json"):
+        t = TuningTable.load(path)
+        assert t.fingerprint["kernel_library"] == kernel_library_hash(), f"{path.name} is stale"
+        if t.tuned:
+            assert all(b["path"] == "fallback" or b["kernel"] for p in t.problems().values() for b in p["buckets"])
