@@ -1,0 +1,426 @@
+"""The target model: a Qwen3.5 / Qwen3.8 hybrid decoder (Gated DeltaNet + gated full attention) in plain torch.
+
+Every linear projection is a module from :func:`~dflashgen.runtime.checkpoint.load_model_projections`
+(generated kernels on a GPU, the dequantize fallback on CPU). Everything else -- embeddings, RMSNorm
+weights, q/k norms, GDN conv1d / ``A_log`` / ``dt_bias`` / gated-norm weights -- is a
+:class:`NonLinearWeights`: read by HF name from a real checkpoint, or drawn deterministically from a
+seed where the checkpoint lacks it (synthetic checkpoints hold only the projections).
+
+All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
+GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
+:meth:`DecodeState.checkpoint` armed, a forward keeps the GDN state after every position so that
+:meth:`DecodeState.rollback` to any accepted length is exact (speculative verify rounds).
+
+Batch invariance: no op reduces across requests; attention runs per request over that request's
+own keys; the GDN recurrence and conv are elementwise across requests. A request's logits can still
+differ from a single-request run by FP32 rounding (not bitwise): the projections run at M = B x T
+rows (CPU and GPU GEMMs round per shape) and right-padded prefill attends over the padded chunk.
+Tensor parallelism is not handled here (tp = 1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflashgen.deployment import Deployment
+from dflashgen.model import FULL, ModelConfig
+
+from .checkpoint import CheckpointReader, load_model_projections
+from .library import KernelLibrary
+
+__all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "nonlinear_shapes"]
+
+Tensor = torch.Tensor
+_L2_EPS = 1e-6  # as in HF / FLA l2norm
+
+
+def _gdn_dims(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(key heads, value heads, key dim, value dim, conv width) of a GDN layer."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, w = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    assert nk and nv and dk and dv and w, "GDN layers need the linear-attention config keys"
+    return nk, nv, dk, dv, w
+
+
+def _unit_offset(cfg: ModelConfig) -> bool:
+    # Qwen3-Next / 3.5 store zero-centred RMSNorm weights (output * (1 + w)); dense Qwen3 stores w.
+    return cfg.family == "qwen3_hybrid"
+
+
+def nonlinear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint name -> shape of every parameter that is not a linear projection."""
+    h = cfg.hidden_size
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i, lt in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        s[f"{p}.input_layernorm.weight"] = (h,)
+        s[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if lt == FULL:
+            s[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
+            s[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
+        else:
+            nk, nv, dk, dv, w = _gdn_dims(cfg)
+            s[f"{p}.linear_attn.conv1d.weight"] = (2 * nk * dk + nv * dv, 1, w)  # depthwise over q|k|v
+            s[f"{p}.linear_attn.A_log"] = (nv,)
+            s[f"{p}.linear_attn.dt_bias"] = (nv,)
+            s[f"{p}.linear_attn.norm.weight"] = (dv,)  # gated RMSNorm, plain (not zero-centred) weight
+    return s
+
+
+def _draw(name: str, shape: tuple[int, ...], seed: int, unit_offset: bool) -> Tensor:
+    # One generator per name: any subset of names can be (re)drawn independently of the others.
+    g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (1 << 62))
+
+    def randn() -> Tensor:
+        return torch.randn(shape, generator=g)
+
+    if name.endswith("embed_tokens.weight"):
+        return randn() * 0.02
+    if name.endswith("conv1d.weight"):
+        return randn() / math.sqrt(shape[-1])
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.1, 2.0, generator=g).log()  # decay rates A in [0.1, 2]
+    if name.endswith("dt_bias"):
+        return randn() * 0.5
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.1 * randn()
+    return 0.1 * randn() + (0.0 if unit_offset else 1.0)  # RMSNorm weights: effective scale ~ 1 +- 0.1
+
+
+@dataclass
+class NonLinearWeights:
+    """Non-projection parameters by HF name, in HF conventions (zero-centred norms for hybrid models),
+    FP32. ``missing`` lists the names drawn from the seed instead of read from a checkpoint."""
+
+    tensors: dict[str, Tensor]
+    missing: tuple[str, ...] = ()
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0) -> NonLinearWeights:
+        """Deterministic stand-ins (a pure function of cfg, name and seed); real checkpoints provide these."""
+        off = _unit_offset(cfg)
+        t = {n: _draw(n, s, seed, off) for n, s in nonlinear_shapes(cfg).items()}
+        return cls(t, tuple(t))
+
+    @classmethod
+    def from_checkpoint(cls, source: str | os.PathLike[str] | Mapping[str, Tensor], cfg: ModelConfig,
+                        seed: int = 0) -> NonLinearWeights:
+        """Read every tensor present under its HF name (a checkpoint directory or a ``{name: tensor}``
+        dict); draw the rest from ``seed`` (e.g. for a synthetic checkpoint, which holds only projections)."""
+        off = _unit_offset(cfg)
+        tensors: dict[str, Tensor] = {}
+        missing: list[str] = []
+        with CheckpointReader(source) as r:
+            for name, shape in nonlinear_shapes(cfg).items():
+                if name not in r:
+                    missing.append(name)
+                    tensors[name] = _draw(name, shape, seed, off)
+                    continue
+                t = r.read(name).float()
+                if t.numel() != math.prod(shape):  # conv1d may be stored [C, W] or [C, 1, W]
+                    raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)} "
+                                     f"(in {r.where(name)})")
+                tensors[name] = t.reshape(shape)
+        return cls(tensors, tuple(missing))
+
+
+# --------------------------------------------------------------------------- decode state
+
+
+class DecodeState:
+    """Per-request decode state for ``batch`` requests of up to ``max_len`` positions.
+
+    ``lengths[b]``: positions already in request b's caches. KV caches are contiguous
+    ``[B, max_len, Hkv, D]`` tensors (entries past ``lengths`` are stale and never attended).
+    GDN: recurrent state ``[B, Hv, dk, dv]`` FP32 and conv state ``[B, C, W-1]`` (the last W-1 conv
+    inputs, oldest first) per layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype = torch.float32) -> None:
+        self.batch, self.max_len = batch, max_len
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+        self.ssm: dict[int, Tensor] = {}
+        self.conv: dict[int, Tensor] = {}
+        for i, lt in enumerate(cfg.layer_types):
+            if lt == FULL:
+                shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                # zeros, not empty: masked keys are multiplied by probability 0, and 0 * NaN = NaN
+                self.k[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
+            else:
+                nk, nv, dk, dv, w = _gdn_dims(cfg)
+                self.ssm[i] = torch.zeros(batch, nv, dk, dv, dtype=torch.float32, device=device)
+                self.conv[i] = torch.zeros(batch, 2 * nk * dk + nv * dv, w - 1, dtype=torch.float32, device=device)
+        self._armed = 0  # positions the next forward snapshots (0: keep only the final state)
+        self._base: Tensor | None = None  # lengths before the forward whose snapshots are kept
+        self._span = 0  # positions of that forward
+        self._ssm_hist: dict[int, Tensor] = {}  # [B, T+1, Hv, dk, dv]: index n = state after n new positions
+        self._conv_hist: dict[int, Tensor] = {}  # [B, C, W-1+T]: window [n, n+W-1) = conv state after n
+
+    def checkpoint(self, positions: int) -> None:
+        """Arm the next forward (of at most ``positions`` positions) to keep the GDN recurrent and conv
+        state after every position, so :meth:`rollback` can restore any length it passed through."""
+        if positions < 1:
+            raise ValueError(f"positions must be >= 1, got {positions}")
+        self._armed = positions
+
+    def rollback(self, lengths: Tensor) -> None:
+        """Restore request b to "after position ``lengths[b]``" (absolute length, within the last
+        checkpointed forward's range [before, after]). KV entries past the length become stale."""
+        if self._base is None:
+            raise RuntimeError("rollback needs a forward run after checkpoint()")
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        n = lengths - self._base
+        t = self._span
+        if lengths.shape != (self.batch,) or bool((n < 0).any()) or bool((n > t).any()):
+            raise ValueError(f"rollback lengths {lengths.tolist()} outside the checkpointed range "
+                             f"[{self._base.tolist()}, +{t}]")
+        b = torch.arange(self.batch, device=n.device)
+        for i, hist in self._ssm_hist.items():
+            self.ssm[i] = hist[b, n].clone()
+        for i, cat in self._conv_hist.items():
+            self.conv[i] = _window(cat, n, self.conv[i].shape[-1])
+        self.lengths = lengths.clone()
+
+    def reset(self, index: int) -> None:
+        """Empty request slot ``index`` (a new request starts there); drops the rollback snapshots."""
+        self.lengths[index] = 0
+        for s in (*self.ssm.values(), *self.conv.values()):
+            s[index].zero_()
+        self._base = None
+        self._ssm_hist, self._conv_hist = {}, {}
+
+
+def _window(cat: Tensor, n: Tensor, width: int) -> Tensor:
+    """cat[b, :, n[b] : n[b] + width] for every request b."""
+    idx = n[:, None, None] + torch.arange(width, device=cat.device)
+    return cat.gather(-1, idx.expand(cat.shape[0], cat.shape[1], width)).contiguous()
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _l2_norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_EPS)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class TargetModel(torch.nn.Module):
+    """Hybrid decoder over loaded projection modules. ``forward(tokens, state)`` appends the tokens
+    to each request and returns FP32 logits ``[B, T, V]``."""
+
+    def __init__(self, cfg: ModelConfig, projections: Mapping[str, torch.nn.Module], weights: NonLinearWeights,
+                 *, device: torch.device | str | None = None, act_dtype: torch.dtype | None = None) -> None:
+        """device: where the non-projection weights live (default: the lm_head's). act_dtype: the
+        projections' input dtype (default FP16 on CUDA, where the kernels need it, else FP32)."""
+        super().__init__()
+        self.cfg = cfg
+        lm = projections["lm_head"]
+        if device is None:
+            device = next(iter([*lm.parameters(), *lm.buffers()])).device
+        self.device = torch.device(device)
+        self.act_dtype = act_dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
+        self.eps = cfg.rms_norm_eps
+        for m in projections.values():
+            # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype != self.act_dtype:
+                m.to(self.act_dtype)
+        self.lm_head = lm
+        self.proj = torch.nn.ModuleList(
+            torch.nn.ModuleDict({k.split(".", 2)[2]: m for k, m in projections.items()
+                                 if k.startswith(f"layers.{i}.")})
+            for i in range(cfg.num_hidden_layers))
+        off = 1.0 if _unit_offset(cfg) else 0.0
+        w = {n: t.to(self.device, torch.float32) for n, t in weights.tensors.items()}
+        # Effective multiplicative norm weights (zero-centred ones get their +1 here, once).
+        self.w: dict[str, Tensor] = {
+            n: (t + off if n.endswith("norm.weight") and "linear_attn" not in n else t) for n, t in w.items()}
+        rd = int(cfg.head_dim * cfg.partial_rotary_factor) // 2 * 2
+        self.rotary_dim = rd
+        self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64, device=self.device) / rd)
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | os.PathLike[str], cfg: ModelConfig, deployment: Deployment, *,
+                        library: KernelLibrary | None = None, seed: int = 0,
+                        act_dtype: torch.dtype | None = None) -> TargetModel:
+        """Projections through the kernel library (or the CPU fallback) + non-projection weights by HF
+        name, drawn from ``seed`` where the checkpoint lacks them."""
+        projections = load_model_projections(directory, cfg, deployment, library=library)
+        weights = NonLinearWeights.from_checkpoint(directory, cfg, seed)
+        device = library.device if library is not None else "cpu"
+        return cls(cfg, projections, weights, device=device, act_dtype=act_dtype)
+
+    def new_state(self, batch: int, max_len: int) -> DecodeState:
+        return DecodeState(self.cfg, batch, max_len, self.device)
+
+    def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
+        return mod(x.to(self.act_dtype)).float()
+
+    def _p(self, i: int, name: str) -> torch.nn.Module:
+        return self.proj[i][name]  # type: ignore[index]
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None) -> Tensor:
+        """Append ``tokens [B, T]`` at positions ``state.lengths + t``; logits ``[B, T, V]`` FP32.
+
+        num_new: per-request count of real tokens (right padding beyond it, e.g. prompts of different
+        lengths): every position is computed, but request b only advances by ``num_new[b]``.
+        """
+        b, t = tokens.shape
+        if b != state.batch:
+            raise ValueError(f"tokens have {b} requests, the state {state.batch}")
+        base = state.lengths.clone()
+        if int(base.max()) + t > state.max_len:
+            raise ValueError(f"{t} new positions overflow max_len={state.max_len} (lengths {base.tolist()})")
+        if state._armed and t > state._armed:
+            raise ValueError(f"forward of {t} positions, but checkpoint() armed {state._armed}")
+        n_new = None if num_new is None else torch.as_tensor(num_new, dtype=torch.long, device=base.device)
+        if n_new is not None and (n_new.shape != (b,) or bool((n_new < 0).any()) or bool((n_new > t).any())):
+            raise ValueError(f"num_new must be {b} counts in [0, {t}], got {n_new.tolist()}")
+        keep = state._armed > 0
+        state._ssm_hist, state._conv_hist = {}, {}
+        pos = base[:, None] + torch.arange(t, device=base.device)  # [B, T]
+        ang = pos[..., None].double() * self.inv_freq  # fp64 angles: exact per position, any batch
+        emb = torch.cat((ang, ang), -1)
+        cos, sin = emb.cos().float()[:, :, None], emb.sin().float()[:, :, None]  # [B, T, 1, rd]
+        # Keys: the cache + all T new positions (causal, so real tokens never see the right padding);
+        # the same shapes with or without num_new, so a num_new commit == checkpoint + rollback bitwise.
+        n_vis = base + t
+
+        h = self.w["model.embed_tokens.weight"][tokens]
+        for i, lt in enumerate(self.cfg.layer_types):
+            p = f"model.layers.{i}"
+            x = _rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
+            if lt == FULL:
+                h = h + self._attention(i, x, pos, cos, sin, n_vis, state)
+            else:
+                h = h + self._gdn(i, x, state, n_new, keep)
+            h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
+        logits = self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps))
+
+        state.lengths = base + (n_new if n_new is not None else t)
+        state._base, state._span = (base, t) if keep else (None, 0)
+        state._armed = 0
+        return logits
+
+    def _mlp(self, i: int, x: Tensor) -> Tensor:
+        gu = self._p(i, "gate_up_proj")
+        y = self._lin(gu, x)
+        if not getattr(gu, "silu", False):  # unfused: [gate | up]
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return self._lin(self._p(i, "down_proj"), y)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        rd = self.rotary_dim
+        r, rest = x[..., :rd], x[..., rd:]
+        return torch.cat((r * cos + _rotate_half(r) * sin, rest), dim=-1)
+
+    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, n_vis: Tensor,
+                   state: DecodeState) -> Tensor:
+        cfg, (b, t, _) = self.cfg, x.shape
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        p = f"model.layers.{i}.self_attn"
+        qkv = self._lin(self._p(i, "qkv_proj"), x)
+        qg, k, v = qkv.split([nh * d * (2 if cfg.attn_output_gate else 1), nkv * d, nkv * d], dim=-1)
+        gate = None
+        if cfg.attn_output_gate:  # per head [q(D) | gate(D)]
+            qg = qg.view(b, t, nh, 2 * d)
+            q, gate = qg[..., :d], qg[..., d:].reshape(b, t, nh * d)
+        else:
+            q = qg.view(b, t, nh, d)
+        q = self._rope(_rms_norm(q, self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
+        k = self._rope(_rms_norm(k.view(b, t, nkv, d), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
+        kc, vc = state.k[i], state.v[i]
+        rows = torch.arange(b, device=x.device)[:, None]
+        kc[rows, pos] = k.to(kc.dtype)
+        vc[rows, pos] = v.view(b, t, nkv, d).to(vc.dtype)
+        out = torch.empty(b, t, nh, d, device=x.device)
+        g = nh // nkv
+        for r, (n, p0) in enumerate(zip(n_vis.tolist(), pos[:, 0].tolist(), strict=True)):
+            # Per request over exactly its own keys: batch composition cannot change its math.
+            qb = q[r].view(t, nkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+            out[r] = self._attend(qb, kc[r], vc[r], n, p0)
+        o = out.reshape(b, t, nh * d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self._lin(self._p(i, "o_proj"), o)
+
+    @staticmethod
+    def _attend(q: Tensor, kc: Tensor, vc: Tensor, n: int, p0: int) -> Tensor:
+        """Causal GQA attention of queries q [Hkv, G, T, D] at positions p0.. over keys [0, n) of one
+        request's cache [max_len, Hkv, D]; returns [T, Hkv * G, D]."""
+        hkv, g, t, d = q.shape
+        kb = kc[:n].float().permute(1, 0, 2)[:, None]  # [Hkv, 1, n, D]
+        vb = vc[:n].float().permute(1, 0, 2)[:, None]
+        s = (q @ kb.transpose(-1, -2)) * d**-0.5  # [Hkv, G, T, n]
+        causal = torch.arange(n, device=q.device)[None, :] <= (p0 + torch.arange(t, device=q.device))[:, None]
+        s = s.masked_fill(~causal, float("-inf"))
+        return (s.softmax(-1) @ vb).permute(2, 0, 1, 3).reshape(t, hkv * g, d)
+
+    def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
+        b, t, _ = x.shape
+        nk, nv, dk, dv, width = _gdn_dims(self.cfg)
+        p = f"model.layers.{i}.linear_attn"
+        qkvz = self._lin(self._p(i, "in_proj_qkvz"), x)
+        c = 2 * nk * dk + nv * dv
+        mixed, z = qkvz.split([c, nv * dv], dim=-1)
+        bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
+        beta = torch.sigmoid(bet)
+        decay = torch.exp(-torch.exp(self.w[f"{p}.A_log"]) * F.softplus(a + self.w[f"{p}.dt_bias"]))  # exp(g)
+
+        # Depthwise causal conv (width W) over q|k|v, continuing from the last W-1 inputs.
+        cat = torch.cat((state.conv[i], mixed.transpose(1, 2)), dim=-1)  # [B, C, W-1+T]
+        cw = self.w[f"{p}.conv1d.weight"].view(c, width)
+        mixed = F.silu((cat.unfold(-1, width, 1) * cw[:, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
+        q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        rep = nv // nk  # value head h reads key head h // rep
+        q = (_l2_norm(q.reshape(b, t, nk, dk)) * dk**-0.5).repeat_interleave(rep, dim=2)
+        k = _l2_norm(k.reshape(b, t, nk, dk)).repeat_interleave(rep, dim=2)
+        v = v.reshape(b, t, nv, dv)
+
+        s = state.ssm[i]
+        hist = torch.empty(b, t + 1, nv, dk, dv, device=x.device) if keep else None
+        if hist is not None:
+            hist[:, 0] = s
+        final = s if n_new is not None else None
+        outs = []
+        for j in range(t):  # gated delta rule, FP32, one position at a time
+            kj = k[:, j, :, :, None]  # [B, Hv, dk, 1]
+            s = s * decay[:, j, :, None, None]
+            delta = (v[:, j] - (s * kj).sum(-2)) * beta[:, j, :, None]  # [B, Hv, dv]
+            s = s + kj * delta[:, :, None, :]
+            outs.append((s * q[:, j, :, :, None]).sum(-2))
+            if hist is not None:
+                hist[:, j + 1] = s
+            if n_new is not None:
+                final = torch.where((n_new == j + 1)[:, None, None, None], s, final)
+        if n_new is None:
+            state.ssm[i], state.conv[i] = s, cat[..., t:].contiguous()
+        else:
+            assert final is not None
+            state.ssm[i], state.conv[i] = final, _window(cat, n_new, width - 1)
+        if hist is not None:
+            state._ssm_hist[i], state._conv_hist[i] = hist, cat
+
+        o = _rms_norm(torch.stack(outs, dim=1), self.w[f"{p}.norm.weight"], self.eps)
+        o = o * F.silu(z.reshape(b, t, nv, dv))
+        return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))

@@ -1,0 +1,222 @@
+"""The torch target model (runtime/target.py) on a tiny synthetic hybrid checkpoint, CPU only:
+prefill == token-by-token, exact verify-round rollback, batch invariance, greedy determinism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dflashgen.runtime.linear import QuantLinear
+from dflashgen.runtime.synthetic import write_synthetic_checkpoint
+from dflashgen.runtime.target import DecodeState, NonLinearWeights, TargetModel, nonlinear_shapes
+
+from dflashgen.deployment import load_deployment
+from dflashgen.model import FULL, parse_model_config
+from dflashgen.weights import rel_l2
+
+# 4 layers (GDN, full, GDN, full); 2 key / 4 value GDN heads; 4 query / 2 KV heads with the output gate.
+RAW = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attn_output_gate": True,
+    "partial_rotary_factor": 0.25, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 97,
+}
+CFG = parse_model_config(RAW)
+MAX_LEN = 64
+VERIFY = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-hybrid")
+    write_synthetic_checkpoint(out, CFG, load_deployment("nvfp4"), "modelopt", seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(ckpt: Path) -> TargetModel:
+    return TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5)
+
+
+def _tokens(n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _state_tensors(st: DecodeState, r: int) -> list[torch.Tensor]:
+    """Request r's state: KV up to its length, GDN recurrent and conv states."""
+    n = int(st.lengths[r])
+    kv = [c[r, :n] for i in st.k for c in (st.k[i], st.v[i])]
+    return kv + [st.ssm[i][r] for i in st.ssm] + [st.conv[i][r] for i in st.conv]
+
+
+def _max_state_diff(a: DecodeState, ra: int, b: DecodeState, rb: int) -> float:
+    """Largest difference between request ra of a and rb of b, relative to each tensor's largest
+    magnitude (when above 1): FP32 rounding differences scale with the values."""
+    assert int(a.lengths[ra]) == int(b.lengths[rb])
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1.0)) if y.numel() else 0.0
+               for x, y in zip(_state_tensors(a, ra), _state_tensors(b, rb), strict=True))
+
+
+def test_model_is_built_from_loaded_projections(model: TargetModel, ckpt: Path) -> None:
+    assert isinstance(model.proj[0]["in_proj_qkvz"], QuantLinear)
+    assert isinstance(model.proj[1]["qkv_proj"], QuantLinear)
+    assert model.proj[0]["gate_up_proj"].silu  # fused SiLU epilogue (deployment.fuse_silu)
+    w = NonLinearWeights.from_checkpoint(ckpt, CFG, seed=5)
+    assert set(w.missing) == set(nonlinear_shapes(CFG))  # synthetic checkpoints hold projections only
+    ref = NonLinearWeights.random(CFG, seed=5)
+    assert all(torch.equal(w.tensors[n], ref.tensors[n]) for n in ref.tensors)
+
+
+def test_nonlinear_weights_read_by_hf_name() -> None:
+    name = "model.layers.0.linear_attn.A_log"
+    given = {name: torch.arange(4, dtype=torch.bfloat16),
+             "model.layers.0.linear_attn.conv1d.weight": torch.ones(2 * 32 + 64, 4)}  # [C, W] accepted
+    w = NonLinearWeights.from_checkpoint(given, CFG)
+    assert name not in w.missing and "model.embed_tokens.weight" in w.missing
+    assert torch.equal(w.tensors[name], torch.arange(4.0))
+    assert w.tensors["model.layers.0.linear_attn.conv1d.weight"].shape == (128, 1, 4)
+    with pytest.raises(ValueError, match="A_log"):
+        NonLinearWeights.from_checkpoint({name: torch.zeros(5)}, CFG)
+
+
+@pytest.mark.parametrize("act_dtype, tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+def test_prefill_matches_token_by_token(ckpt: Path, act_dtype: torch.dtype, tol: float) -> None:
+    m = TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5, act_dtype=act_dtype)
+    toks = _tokens(11, seed=1)
+    s1, s2 = m.new_state(1, MAX_LEN), m.new_state(1, MAX_LEN)
+    full = m(toks, s1)
+    steps = torch.cat([m(toks[:, j:j + 1], s2) for j in range(toks.shape[1])], dim=1)
+    assert full.dtype == torch.float32 and full.shape == (1, 11, CFG.vocab_size)
+    assert float(rel_l2(steps, full)) < tol
+    # fp16 projection inputs round differently at M=11 and M=1; fp32 agrees to rounding.
+    assert _max_state_diff(s1, 0, s2, 0) < (1e-5 if act_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("accepted", range(VERIFY + 1))
+def test_rollback_equals_plain_run(model: TargetModel, accepted: int) -> None:
+    # Two requests with different prompt lengths accept `accepted` and VERIFY - accepted positions.
+    prompts = [_tokens(5, seed=2), _tokens(3, seed=3)]
+    draft = _tokens(VERIFY, seed=4, batch=2)
+    keep = torch.tensor([accepted, VERIFY - accepted])
+    after = _tokens(3, seed=5, batch=2)
+
+    def prefilled() -> DecodeState:
+        st = model.new_state(2, MAX_LEN)
+        pad = torch.zeros(2, 5, dtype=torch.long)
+        pad[0], pad[1, :3] = prompts[0][0], prompts[1][0]
+        model(pad, st, num_new=torch.tensor([5, 3]))
+        return st
+
+    st = prefilled()
+    st.checkpoint(VERIFY)
+    model(draft, st)
+    assert st.lengths.tolist() == [5 + VERIFY, 3 + VERIFY]
+    st.rollback(torch.tensor([5, 3]) + keep)
+    # Exact: the same verify forward committing only `keep` positions (no snapshots) is bit-identical.
+    same = prefilled()
+    model(draft, same, num_new=keep)
+    for r in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(_state_tensors(st, r), _state_tensors(same, r), strict=True))
+    cont = model(after, st)  # continue after the rollback
+    assert torch.equal(cont, model(after, same))
+
+    # Close: a plain run that only ever fed the accepted tokens (its GEMMs have other M, so FP32
+    # rounding differs; 1e-6 relative to each state tensor's scale).
+    for r in range(2):
+        ref = model.new_state(1, MAX_LEN)
+        model(prompts[r], ref)
+        if keep[r]:
+            model(draft[r:r + 1, :int(keep[r])], ref)
+        ref_cont = model(after[r:r + 1], ref)
+        assert _max_state_diff(st, r, ref, 0) <= 1e-6
+        assert float(rel_l2(cont[r:r + 1], ref_cont)) < 1e-5
+
+
+def test_rollback_range_is_checked(model: TargetModel) -> None:
+    st = model.new_state(1, MAX_LEN)
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        st.rollback(torch.tensor([0]))
+    model(_tokens(4, seed=6), st)
+    st.checkpoint(VERIFY)
+    with pytest.raises(ValueError, match="armed"):
+        model(_tokens(VERIFY + 1, seed=7), st)
+    model(_tokens(VERIFY, seed=7), st)
+    with pytest.raises(ValueError, match="outside"):
+        st.rollback(torch.tensor([3]))
+    with pytest.raises(ValueError, match="outside"):
+        st.rollback(torch.tensor([4 + VERIFY + 1]))
+    st.rollback(torch.tensor([6]))
+    st.rollback(torch.tensor([4 + VERIFY]))  # forward again within the same verify round
+    assert st.lengths.tolist() == [4 + VERIFY]
+    with pytest.raises(ValueError, match="max_len"):
+        model(_tokens(MAX_LEN, seed=8), st)
+
+
+def _greedy(model: TargetModel, prompts: list[torch.Tensor], steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Batched right-padded prefill + greedy decoding; per request: prompt logits, decode logits."""
+    b, n = len(prompts), max(p.shape[1] for p in prompts)
+    pad = torch.zeros(b, n, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        pad[r, :p.shape[1]] = p[0]
+    st = model.new_state(b, MAX_LEN)
+    lens = torch.tensor([p.shape[1] for p in prompts])
+    logits = model(pad, st, num_new=lens)
+    prompt_logits = [logits[r, :p.shape[1]] for r, p in enumerate(prompts)]
+    nxt = logits[torch.arange(b), lens - 1].argmax(-1)
+    dec = []
+    for _ in range(steps):
+        step = model(nxt[:, None], st)[:, 0]
+        dec.append(step)
+        nxt = step.argmax(-1)
+    return prompt_logits, torch.stack(dec, dim=1)
+
+
+def test_batch_matches_single_requests(model: TargetModel) -> None:
+    prompts = [_tokens(3, seed=10), _tokens(9, seed=11), _tokens(6, seed=12)]
+    batch_prompt, batch_dec = _greedy(model, prompts, steps=4)
+    for r, p in enumerate(prompts):
+        alone_prompt, alone_dec = _greedy(model, [p], steps=4)
+        # Not bitwise: the projections run at M = B*T vs T rows and the CPU GEMM rounds per shape.
+        torch.testing.assert_close(batch_prompt[r], alone_prompt[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(batch_dec[r], alone_dec[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(batch_dec[r].argmax(-1), alone_dec[0].argmax(-1))
+
+
+def test_greedy_decoding_is_deterministic(model: TargetModel) -> None:
+    prompts = [_tokens(7, seed=20), _tokens(4, seed=21)]
+    _, a = _greedy(model, prompts, steps=5)
+    _, b = _greedy(model, prompts, steps=5)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert a.shape == (2, 5, CFG.vocab_size)
+
+
+def test_reset_slot_starts_a_new_request(model: TargetModel) -> None:
+    st = model.new_state(2, MAX_LEN)
+    model(_tokens(5, seed=30, batch=2), st)
+    st.reset(1)
+    fresh = _tokens(3, seed=31)
+    two = torch.cat([_tokens(3, seed=32), fresh])
+    out = model(two, st)
+    ref = model.new_state(1, MAX_LEN)
+    torch.testing.assert_close(out[1:], model(fresh, ref), rtol=1e-5, atol=1e-6)
+    assert st.lengths.tolist() == [8, 3] and FULL in CFG.layer_types
+
+
+def test_unfused_mlp_and_other_formats(ckpt: Path, model: TargetModel, tmp_path: Path) -> None:
+    toks = _tokens(6, seed=40)
+    ref = model(toks, model.new_state(1, MAX_LEN))
+    nofuse = load_deployment({"name": "nofuse", "default": "nvfp4", "overrides": {"lm_head": "fp16"},
+                              "fuse_silu": False})
+    m = TargetModel.from_checkpoint(ckpt, CFG, nofuse, seed=5)
+    assert not m.proj[0]["gate_up_proj"].silu
+    assert float(rel_l2(m(toks, m.new_state(1, MAX_LEN)), ref)) < 1e-5  # split SiLU * up == fused epilogue
+    dep = load_deployment("mixed")  # channel-FP8 attention / GDN projections, NVFP4 MLP
+    write_synthetic_checkpoint(tmp_path, CFG, dep, "compressed-tensors", seed=3)
+    m = TargetModel.from_checkpoint(tmp_path, CFG, dep, seed=5)
+    full = m(toks, m.new_state(1, MAX_LEN))
+    st = m.new_state(1, MAX_LEN)
+    steps = torch.cat([m(toks[:, j:j + 1], st) for j in range(toks.shape[1])], dim=1)
+    assert float(rel_l2(steps, full)) < 1e-4
