@@ -1,0 +1,460 @@
+"""Speculative decoding with continuous batching over :class:`~dflashgen.runtime.target.TargetModel`.
+
+One round (DFlash2 "q7": ``D = 7`` drafts, ``D + 1 = 8`` verify positions per request):
+
+1. the drafter proposes ``D`` tokens per active request (:class:`Drafter`);
+2. the target runs ``[pending token, d_1 .. d_D]`` with ``state.checkpoint(D + 1)`` armed;
+3. :func:`~dflashgen.runtime.sampling.verify` accepts ``a`` drafts and adds one recovered/bonus token;
+4. the ``a + 1`` tokens are appended (cut at EOS / max tokens) and ``state.rollback`` keeps ``a + 1``
+   of the ``D + 1`` positions.
+
+State convention (the invariant every step keeps): a request's history is ``prompt + generated``;
+its last token is *pending* -- emitted (or the last prompt token) but not yet fed to the target --
+and ``state.lengths[slot] == len(history) - 1``. Prefill therefore feeds ``prompt[:-1]`` (nothing
+for a 1-token prompt) and the first verify round scores ``prompt[-1]`` followed by the drafts: the
+logits of that round's position ``j`` predict the token after ``history + d_1..d_j``, so the target
+needs no separate "first token" sample. After a round, the kept positions are the pending token and
+the ``a`` accepted drafts; the newly sampled token becomes the pending one.
+
+Capacity: a request may hold ``max_len`` tokens (prompt + generated). The verify forward writes
+``D + 1`` positions past ``len(history) - 1``, so the state is allocated with ``max_len + D``
+positions (the overshoot is rolled back). Empty slots ride along in the verify forward as padding
+(their length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .sampling import SamplingParams, Uniforms, verify
+from .target import DecodeState, TargetModel
+
+__all__ = [
+    "Drafter",
+    "NgramDrafter",
+    "ReplayDrafter",
+    "RequestContext",
+    "RoundStats",
+    "SpecDecoder",
+    "Stats",
+    "plain_greedy",
+]
+
+Tensor = torch.Tensor
+DraftOutput = Tensor | tuple[Tensor, Tensor | None]
+PHASES = ("draft", "target", "sample", "host")
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a drafter sees of one active request. ``tokens`` = prompt + generated (the last entry is
+    the pending token the next verify round starts from); ``rid`` = index in ``generate``'s prompts."""
+
+    rid: int
+    tokens: Sequence[int]
+    prompt_len: int
+    params: SamplingParams
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """``propose(contexts)`` -> draft tokens ``[B, D]`` (long), optionally with draft probabilities
+    ``[B, D, V]`` as ``(tokens, probs)``; without probabilities verification treats drafts as one-hot."""
+
+    num_draft: int
+    label: str
+
+    def propose(self, contexts: Sequence[RequestContext]) -> DraftOutput: ...
+
+
+class NgramDrafter:
+    """Prompt lookup (no weights): match the last ``n`` (then ``n - 1`` .. 1) tokens at their latest
+    earlier occurrence in the history and copy what followed it; pad with the last token if none."""
+
+    def __init__(self, n: int = 3, num_draft: int = 7) -> None:
+        if n < 1 or num_draft < 1:
+            raise ValueError(f"n and num_draft must be >= 1, got n={n}, num_draft={num_draft}")
+        self.n, self.num_draft = n, num_draft
+        self.label = f"ngram (prompt lookup, n<={n})"
+
+    def draft_one(self, tokens: Sequence[int]) -> list[int]:
+        h, d = list(tokens), self.num_draft
+        for k in range(min(self.n, len(h) - 1), 0, -1):
+            pat = h[-k:]
+            for s in range(len(h) - k - 1, -1, -1):  # latest earlier occurrence first
+                if h[s:s + k] == pat:
+                    ext = h[:]  # LZ-style copy: the copied span may run into the proposals themselves
+                    for i in range(d):
+                        ext.append(ext[s + k + i])
+                    return ext[len(h):]
+        return [h[-1]] * d
+
+    def propose(self, contexts: Sequence[RequestContext]) -> Tensor:
+        return torch.tensor([self.draft_one(c.tokens) for c in contexts], dtype=torch.long).view(-1, self.num_draft)
+
+
+class ReplayDrafter:
+    """Benchmark stand-in for a trained drafter: proposes the known target continuation token with
+    probability ``acceptance`` per position, else a different token (so greedy verification accepts
+    a leading run with P(run >= i) = acceptance**i). Outputs must carry ``label``: the acceptance is
+    synthetic, not a property of any drafter model.
+
+    ``continuations[rid]``: the target's generated tokens for request ``rid`` (e.g. from
+    :func:`plain_greedy`). Randomness depends only on (seed, rid, position): batch-composition free.
+    ``cost_model``: called once per round with the contexts (e.g. a block-drafter-shaped forward of
+    ``D + 1`` positions per request) so that measured draft time is a real cost; None = free drafts.
+    """
+
+    def __init__(self, continuations: Sequence[Sequence[int]], acceptance: float, num_draft: int = 7,
+                 seed: int = 0, cost_model: Callable[[Sequence[RequestContext]], Any] | None = None) -> None:
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.continuations = [list(c) for c in continuations]
+        self.acceptance, self.num_draft, self.seed, self.cost_model = acceptance, num_draft, seed, cost_model
+        self.label = f"replay (synthetic acceptance p={acceptance:g})"
+
+    def draft_one(self, ctx: RequestContext) -> list[int]:
+        cont, g = self.continuations[ctx.rid], ctx.generated
+        rng = random.Random(f"{self.seed}:{ctx.rid}:{g}")
+        out: list[int] = []
+        for i in range(self.num_draft):
+            true = cont[g + i] if g + i < len(cont) else ctx.tokens[-1]
+            # Never id -1 or >= V: any other in-range id is "wrong" under greedy verification.
+            out.append(true if rng.random() < self.acceptance else (true - 1 if true > 0 else 1))
+        return out
+
+    def propose(self, contexts: Sequence[RequestContext]) -> Tensor:
+        if self.cost_model is not None:
+            self.cost_model(contexts)
+        return torch.tensor([self.draft_one(c) for c in contexts], dtype=torch.long).view(-1, self.num_draft)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass
+class RoundStats:
+    batch: int  # active requests
+    accepted: list[int]  # accepted drafts per active request (0..D, before EOS / max-token cuts)
+    emitted: int  # tokens appended to outputs (after cuts)
+    ms: dict[str, float]  # phase -> milliseconds
+
+
+@dataclass
+class Stats:
+    """Per-round records of one ``generate`` call. Times: ``time.perf_counter`` on CPU; CUDA events
+    (synchronised once per round) for the device phases on CUDA, so medians are device time."""
+
+    label: str = ""
+    num_draft: int = 0
+    rounds: list[RoundStats] = field(default_factory=list)
+    prefill_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        acc = [a for r in self.rounds for a in r.accepted]
+        emitted = sum(r.emitted for r in self.rounds)
+        out: dict[str, Any] = {
+            "drafter": self.label,
+            "num_draft": self.num_draft,
+            "rounds": len(self.rounds),
+            "tokens": emitted,
+            "mean_accepted_drafts": statistics.fmean(acc) if acc else 0.0,
+            # DFlash's "acceptance length": tokens per request-round incl. the recovered/bonus token.
+            "mean_acceptance_length": statistics.fmean(acc) + 1 if acc else 0.0,
+            "mean_batch": statistics.fmean(r.batch for r in self.rounds) if self.rounds else 0.0,
+            "prefill_ms_total": sum(self.prefill_ms),
+            "wall_s": self.wall_s,
+            "tokens_per_s": emitted / self.wall_s if self.wall_s > 0 else 0.0,
+        }
+        for p in PHASES:
+            v = [r.ms[p] for r in self.rounds if p in r.ms]
+            out[f"median_{p}_ms"] = statistics.median(v) if v else 0.0
+        return out
+
+
+class _Timer:
+    """Phase timer: CUDA events on a CUDA device (read after one synchronize per round), else
+    perf_counter. ``host`` is always wall-clock (Python bookkeeping)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.ms: dict[str, float] = {}
+        self._events: list[tuple[str, Any, Any]] = []
+
+    def start(self, phase: str) -> Any:
+        if self.cuda and phase != "host":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, phase: str, t0: Any) -> None:
+        if isinstance(t0, float):
+            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+        else:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append((phase, t0, ev))
+
+    def flush(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for phase, a, b in self._events:
+                self.ms[phase] = self.ms.get(phase, 0.0) + a.elapsed_time(b)
+        ms, self.ms, self._events = self.ms, {}, []
+        return ms
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@dataclass
+class _Request:
+    rid: int
+    tokens: list[int]  # prompt + generated; tokens[-1] is pending (not yet in the target state)
+    prompt_len: int
+    params: SamplingParams
+    max_new: int
+    rounds: int = 0  # verify rounds so far: the per-request step of seeded uniforms
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class SpecDecoder:
+    """Continuous-batching speculative decoder: up to ``max_batch`` requests in flight, the rest queue.
+
+    ``max_len``: tokens per request (prompt + generated). ``state``: an existing state to decode in
+    (needs ``batch >= max_batch`` and ``max_len + num_draft`` positions); default: a new one.
+    """
+
+    def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
+                 *, state: DecodeState | None = None) -> None:
+        if max_batch < 1 or max_len < 2 or num_draft < 1:
+            raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
+                             f"{num_draft}")
+        if getattr(drafter, "num_draft", num_draft) != num_draft:
+            raise ValueError(f"drafter proposes {drafter.num_draft} tokens, the decoder verifies {num_draft}")
+        need = max_len + num_draft  # verify overshoot, rolled back (module docstring)
+        if state is None:
+            state = target.new_state(max_batch, need)
+        if max_batch > state.batch:
+            raise ValueError(f"max_batch={max_batch} exceeds the decode state's capacity of {state.batch} requests")
+        if state.max_len < need:
+            raise ValueError(f"the decode state holds {state.max_len} positions; max_len={max_len} with "
+                             f"num_draft={num_draft} needs {need}")
+        self.target, self.drafter, self.state = target, drafter, state
+        self.max_batch, self.max_len, self.num_draft = max_batch, max_len, num_draft
+        self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft)
+        self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
+        self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, prompts: Sequence[Sequence[int]], params: Any, max_new_tokens: Any,
+                  ) -> tuple[list[_Request | None], dict[int, str]]:
+        n = len(prompts)
+        if isinstance(params, SamplingParams | dict):
+            params = [params] * n
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * n
+        if len(params) != n or len(max_new_tokens) != n:
+            raise ValueError(f"{n} prompts but {len(params)} params and {len(max_new_tokens)} max_new_tokens")
+        vocab = self.target.cfg.vocab_size
+        reqs: list[_Request | None] = []
+        errors: dict[int, str] = {}
+        for i, (prompt, sp, m) in enumerate(zip(prompts, params, max_new_tokens, strict=True)):
+            try:
+                if isinstance(sp, dict):
+                    sp = SamplingParams(**sp)  # its __post_init__ names the bad field
+                elif not isinstance(sp, SamplingParams):
+                    raise ValueError(f"params must be a SamplingParams, got {type(sp).__name__}")
+                if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                    raise ValueError(f"max_new_tokens must be an integer >= 1, got {m!r}")
+                toks = [int(t) for t in prompt]
+                if not toks:
+                    raise ValueError("empty prompt")
+                if len(toks) > self.max_len - m:
+                    raise ValueError(f"prompt of {len(toks)} tokens is longer than max_len - max_new_tokens = "
+                                     f"{self.max_len} - {m}")
+                if not all(0 <= t < vocab for t in toks):
+                    raise ValueError(f"prompt token ids must be in [0, {vocab})")
+                reqs.append(_Request(i, toks, len(toks), sp, m))
+            except (ValueError, TypeError) as e:
+                errors[i] = f"request {i}: {e}"
+                reqs.append(None)
+        return reqs, errors
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams | dict] | SamplingParams,
+                 max_new_tokens: Sequence[int] | int, eos: int | None = None, seed: int = 0,
+                 *, strict: bool = True) -> list[list[int]]:
+        """Generated tokens per request (EOS included when hit). Invalid requests: ``strict`` raises a
+        ValueError naming each before any work; ``strict=False`` skips them (empty output, reason
+        in ``self.errors``) and decodes the rest. Stats of the call are in ``self.stats``."""
+        reqs, errors = self._validate(prompts, params, max_new_tokens)
+        if errors and strict:
+            raise ValueError("; ".join(errors.values()))
+        self.errors = errors
+        self.stats = Stats(self.stats.label, self.num_draft)
+        self.slot_log = []
+        gen = torch.Generator().manual_seed(seed)  # unseeded requests' uniforms
+        st, dev, d = self.state, self.target.device, self.num_draft
+        for s in range(st.batch):
+            st.reset(s)  # a previous (possibly failed) call may have left requests behind
+        queue = deque(r for r in reqs if r is not None)
+        slots: list[_Request | None] = [None] * st.batch
+        out: dict[int, list[int]] = {}
+        t_start = time.perf_counter()
+        greedy_pad = SamplingParams(temperature=0.0)
+        while queue or any(r is not None for r in slots):
+            joins = []
+            for s in range(self.max_batch):
+                if slots[s] is None and queue:
+                    slots[s] = queue.popleft()
+                    st.reset(s)
+                    joins.append(s)
+                    self.slot_log.append((slots[s].rid, s))  # type: ignore[union-attr]
+            if joins:
+                self._prefill(slots, joins)
+
+            timer = _Timer(dev)
+            t0 = timer.start("host")
+            active = [s for s in range(st.batch) if slots[s] is not None]
+            ctx = [RequestContext(r.rid, tuple(r.tokens), r.prompt_len, r.params)
+                   for r in (slots[s] for s in active) if r is not None]
+            timer.stop("host", t0)
+
+            t0 = timer.start("draft")
+            drafts, q = _split_draft(self.drafter.propose(ctx))
+            timer.stop("draft", t0)
+
+            t0 = timer.start("host")
+            if drafts.shape != (len(active), d):
+                raise ValueError(f"drafter returned {tuple(drafts.shape)}, expected {(len(active), d)}")
+            b = st.batch
+            idx = torch.tensor(active, dtype=torch.long)
+            draft_all = torch.zeros(b, d, dtype=torch.long)
+            draft_all[idx] = drafts.to("cpu", torch.long)
+            pending = torch.zeros(b, 1, dtype=torch.long)
+            base = torch.zeros(b, dtype=torch.long)
+            row_params = [greedy_pad] * b
+            unis = []
+            for s in range(b):
+                r = slots[s]
+                if r is not None:
+                    pending[s, 0], base[s], row_params[s] = r.tokens[-1], len(r.tokens) - 1, r.params
+                unis.append(Uniforms.for_requests([row_params[s]], d, r.rounds if r else 0, gen))
+            u = Uniforms(torch.cat([x.accept for x in unis]).to(dev), torch.cat([x.sample for x in unis]).to(dev))
+            q_all = None
+            if q is not None:  # empty slots: zero q is valid and ignored (they are greedy)
+                q_all = torch.zeros(b, d, q.shape[-1], dtype=q.dtype, device=dev)
+                q_all[idx.to(dev)] = q.to(dev)
+            draft_dev = draft_all.to(dev)
+            tokens = torch.cat([pending.to(dev), draft_dev], dim=1)
+            timer.stop("host", t0)
+
+            t0 = timer.start("target")
+            st.checkpoint(d + 1)
+            logits = self.target(tokens, st)
+            timer.stop("target", t0)
+
+            t0 = timer.start("sample")
+            res = verify(draft_dev, logits, row_params, u, q_all)
+            # Keep the pending token + the accepted drafts; the new token becomes pending.
+            keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + res.accepted.cpu(), 0)
+            st.rollback((base + keep).to(dev))
+            timer.stop("sample", t0)
+
+            t0 = timer.start("host")
+            acc_l, tok_l = res.accepted.tolist(), res.tokens.tolist()
+            accepted, emitted = [], 0
+            for s in active:
+                r = slots[s]
+                assert r is not None
+                r.rounds += 1
+                accepted.append(acc_l[s])
+                for t in tok_l[s][:acc_l[s] + 1]:
+                    r.tokens.append(t)
+                    emitted += 1
+                    if t == eos or len(r.generated) >= r.max_new:
+                        break
+                if r.generated[-1:] == [eos] or len(r.generated) >= r.max_new:
+                    out[r.rid] = r.generated
+                    slots[s] = None
+                    st.reset(s)  # frees the slot; the next admission reuses it
+            timer.stop("host", t0)
+            self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush()))
+        self.stats.wall_s = time.perf_counter() - t_start
+        return [out.get(i, []) for i in range(len(prompts))]
+
+    def _prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
+        """Feed ``prompt[:-1]`` of the joining requests (right-padded, ``num_new``) in a scratch state
+        and copy their caches into their slots: the in-flight requests are untouched and need no
+        headroom for the prompt chunk."""
+        reqs = [slots[s] for s in joins]
+        lens = [len(r.tokens) - 1 for r in reqs if r is not None]
+        t = max(lens)
+        if t == 0:
+            return  # all 1-token prompts: the pending token is the whole prompt
+        timer = _Timer(self.target.device)
+        t0 = timer.start("prefill")
+        dev = self.target.device
+        pad = torch.zeros(len(joins), t, dtype=torch.long)
+        for j, r in enumerate(reqs):
+            assert r is not None
+            pad[j, :lens[j]] = torch.tensor(r.tokens[:-1])
+        tmp = self.target.new_state(len(joins), t)
+        self.target(pad.to(dev), tmp, num_new=torch.tensor(lens, device=dev))
+        st = self.state
+        for j, s in enumerate(joins):
+            n = lens[j]
+            for i in st.k:
+                st.k[i][s, :n] = tmp.k[i][j, :n]
+                st.v[i][s, :n] = tmp.v[i][j, :n]
+            for i in st.ssm:
+                st.ssm[i][s] = tmp.ssm[i][j]
+                st.conv[i][s] = tmp.conv[i][j]
+            st.lengths[s] = n
+        timer.stop("prefill", t0)
+        self.stats.prefill_ms.append(timer.flush()["prefill"])
+
+
+def _split_draft(out: DraftOutput) -> tuple[Tensor, Tensor | None]:
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+@torch.no_grad()
+def plain_greedy(target: TargetModel, prompt: Sequence[int], n: int) -> list[int]:
+    """Non-speculative greedy decoding, one token per forward: the equivalence oracle."""
+    if not prompt or n < 1:
+        raise ValueError("need a non-empty prompt and n >= 1")
+    dev = target.device
+    st = target.new_state(1, len(prompt) + n)
+    logits = target(torch.tensor([list(prompt)], device=dev), st)
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < n:
+        out.append(int(target(torch.tensor([[out[-1]]], device=dev), st)[0, -1].argmax()))
+    return out

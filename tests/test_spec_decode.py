@@ -1,0 +1,280 @@
+"""Speculative decoding (runtime/spec_decode.py) on a tiny synthetic hybrid target, CPU only:
+greedy equivalence with plain decoding, batch invariance, continuous batching, drafters, errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from dflashgen.runtime.sampling import SamplingParams, target_probs
+from dflashgen.runtime.spec_decode import (
+    NgramDrafter,
+    ReplayDrafter,
+    RequestContext,
+    SpecDecoder,
+    plain_greedy,
+)
+from dflashgen.runtime.synthetic import write_synthetic_checkpoint
+from dflashgen.runtime.target import NonLinearWeights, TargetModel
+
+from dflashgen.deployment import load_deployment
+from dflashgen.model import parse_model_config
+
+# Same tiny 4-layer hybrid as tests/test_target.py (GDN, full, GDN, full).
+RAW = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attn_output_gate": True,
+    "partial_rotary_factor": 0.25, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 97,
+}
+CFG = parse_model_config(RAW)
+GREEDY = SamplingParams(temperature=0.0)
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny GEMMs: one thread avoids multi-thread stalls on a shared 2-core box (and is deterministic).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    """The checkpoint's NVFP4 projections dequantized once into FP32 nn.Linear (the CPU fallback
+    would dequantize every call): same weights, FP32 projection inputs, fast and deterministic."""
+    out = tmp_path_factory.mktemp("tiny-hybrid-spec")
+    dep = load_deployment("nvfp4")
+    write_synthetic_checkpoint(out, CFG, dep, "modelopt", seed=3)
+    q = TargetModel.from_checkpoint(Path(out), CFG, dep, seed=5, act_dtype=torch.float32)
+    projs: dict[str, torch.nn.Module] = {}
+    mods = {f"layers.{i}.{k}": m for i, md in enumerate(q.proj) for k, m in md.items()}
+    for name, m in {**mods, "lm_head": q.lm_head}.items():
+        w = m.dequantize() if hasattr(m, "dequantize") else m.weight.float()
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.float()
+        projs[name] = lin  # gate|up rows in logical order: the unfused SiLU path applies
+    return TargetModel(CFG, projs, NonLinearWeights.from_checkpoint(out, CFG, seed=5), device="cpu",
+                       act_dtype=torch.float32)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(1, 1), _prompt(5, 2), _prompt(12, 3), _prompt(20, 4)]
+N_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def oracle(model: TargetModel) -> list[list[int]]:
+    return [plain_greedy(model, p, N_NEW) for p in PROMPTS]
+
+
+def _replay(oracle: list[list[int]], p: float, **kw: object) -> ReplayDrafter:
+    return ReplayDrafter(oracle, p, seed=7, **kw)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ greedy equivalence
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "replay0", "replay0.5", "replay1"])
+def test_greedy_equals_plain(model: TargetModel, oracle: list[list[int]], drafter: str) -> None:
+    d = NgramDrafter() if drafter == "ngram" else _replay(oracle, float(drafter[6:]))
+    dec = SpecDecoder(model, d, max_batch=4, max_len=MAX_LEN)
+    assert dec.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    # Invariant of the state convention: every slot is freed (length 0) after the call.
+    assert dec.state.lengths.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_batch_sizes_give_the_same_tokens(model: TargetModel, oracle: list[list[int]], batch: int) -> None:
+    dec = SpecDecoder(model, NgramDrafter(n=2), max_batch=batch, max_len=MAX_LEN)
+    assert dec.generate(PROMPTS, [GREEDY] * 4, N_NEW) == oracle
+
+
+def test_short_num_draft(model: TargetModel, oracle: list[list[int]]) -> None:
+    dec = SpecDecoder(model, _replay(oracle, 0.7, num_draft=3), max_batch=2, max_len=MAX_LEN, num_draft=3)
+    assert dec.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    assert max(a for r in dec.stats.rounds for a in r.accepted) <= 3
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+def test_continuous_batching_bookkeeping(model: TargetModel, oracle: list[list[int]]) -> None:
+    prompts = [PROMPTS[i % 4] for i in range(7)]
+    max_new = [3, 14, 1, 9, 14, 6, 11]
+    cont = [oracle[i % 4] for i in range(7)]
+    eos = oracle[2][4]  # request 2 (and 6) hit EOS at its 5th generated token unless cut earlier
+    dec = SpecDecoder(model, ReplayDrafter(cont, 0.6, seed=1), max_batch=3, max_len=MAX_LEN)
+    out = dec.generate(prompts, GREEDY, max_new, eos=eos)
+    for i, o in enumerate(out):
+        ref = cont[i][:max_new[i]]
+        if eos in ref:
+            ref = ref[:ref.index(eos) + 1]  # EOS is included and ends the request
+        assert o == ref, i
+    assert any(eos in cont[i][:max_new[i] - 1] for i in range(7))  # EOS really ended one early
+    slots = [s for _, s in dec.slot_log]
+    assert sorted(r for r, _ in dec.slot_log) == list(range(7))
+    assert set(slots) == {0, 1, 2} and len(slots) == 7  # finished slots are reused
+    assert max(r.batch for r in dec.stats.rounds) == 3
+    assert sum(r.emitted for r in dec.stats.rounds) == sum(len(o) for o in out)
+    s = dec.stats.summary()
+    assert s["tokens"] == sum(len(o) for o in out) and s["median_target_ms"] > 0
+    assert s["drafter"] == "replay (synthetic acceptance p=0.6)"
+
+
+def test_decoder_is_reusable_and_sampling_runs(model: TargetModel) -> None:
+    dec = SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN)
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11), SamplingParams(temperature=1.0)]
+    a = dec.generate(PROMPTS[1:3], params, 10, seed=3)
+    b = dec.generate(PROMPTS[1:3], params, 10, seed=3)
+    assert a == b and [len(x) for x in a] == [10, 10]
+    assert all(0 <= t < CFG.vocab_size for x in a for t in x)
+    # A seeded request's tokens do not depend on its batch neighbours.
+    alone = SpecDecoder(model, NgramDrafter(), max_batch=1, max_len=MAX_LEN).generate([PROMPTS[1]], params[:1], 10)
+    assert alone[0] == a[0]
+
+
+# ------------------------------------------------------------------ replay drafter
+
+
+def test_replay_full_and_zero_acceptance(model: TargetModel, oracle: list[list[int]]) -> None:
+    cont = [plain_greedy(model, p, 20) for p in PROMPTS[:3]]
+    dec = SpecDecoder(model, ReplayDrafter(cont, 1.0), max_batch=1, max_len=MAX_LEN)
+    assert dec.generate(PROMPTS[:3], GREEDY, 20) == cont
+    # One request at a time: 7 drafts + bonus per round until max tokens cuts the last round (20 = 8+8+4);
+    # the last round accepts 4 (drafts past the known continuation are padding and get rejected).
+    assert [r.emitted for r in dec.stats.rounds] == [8, 8, 4] * 3
+    assert [r.accepted for r in dec.stats.rounds] == [[7], [7], [4]] * 3
+    assert dec.stats.summary()["mean_acceptance_length"] == pytest.approx(1 + 18 / 3)
+    dec = SpecDecoder(model, _replay(oracle, 0.0), max_batch=2, max_len=MAX_LEN)
+    out = dec.generate(PROMPTS[:2], GREEDY, N_NEW)
+    assert out == oracle[:2]
+    assert all(r.emitted == r.batch for r in dec.stats.rounds) and len(dec.stats.rounds) == N_NEW
+
+
+@pytest.mark.parametrize("p", [0.3, 0.5, 0.8])
+def test_replay_acceptance_rate(model: TargetModel, p: float) -> None:
+    d, n, reqs = 7, 26, 12
+    cont = plain_greedy(model, PROMPTS[3], n + d)  # drafts never run past the known continuation
+    dec = SpecDecoder(model, ReplayDrafter([cont] * reqs, p, seed=2), max_batch=6, max_len=MAX_LEN)
+    assert dec.generate([PROMPTS[3]] * reqs, GREEDY, n) == [cont[:n]] * reqs
+    # Independent per-position acceptance p: the accepted run is truncated geometric, E = sum p^i.
+    acc = [a for r in dec.stats.rounds for a in r.accepted]
+    expect = sum(p**i for i in range(1, d + 1))
+    assert len(acc) >= 40
+    assert abs(sum(acc) / len(acc) - expect) < 0.25 * expect + 0.1, (sum(acc) / len(acc), expect)
+
+
+def test_replay_drafter_unit() -> None:
+    ctx = RequestContext(0, (5, 6, 10, 11), prompt_len=2, params=GREEDY)  # generated: 10, 11
+    assert ReplayDrafter([[10, 11, 12, 13, 14]], 1.0, num_draft=3).propose([ctx]).tolist() == [[12, 13, 14]]
+    assert ReplayDrafter([[10, 11, 12]], 1.0, num_draft=3).propose([ctx]).tolist() == [[12, 11, 11]]
+    wrong = ReplayDrafter([[10, 11, 0, 13, 14]], 0.0, num_draft=3).propose([ctx]).tolist()[0]
+    assert wrong[0] != 0 and wrong[1] != 13 and wrong[2] != 14
+    calls: list[int] = []
+    d = ReplayDrafter([[1] * 9], 0.5, cost_model=lambda c: calls.append(len(c)))
+    assert d.propose([ctx, ctx]).shape == (2, 7) and calls == [2]
+    assert d.label == "replay (synthetic acceptance p=0.5)"
+    with pytest.raises(ValueError, match="acceptance"):
+        ReplayDrafter([[1]], 1.5)
+
+
+# ------------------------------------------------------------------ n-gram drafter
+
+
+def test_ngram_drafter() -> None:
+    d = NgramDrafter(n=3, num_draft=4)
+    assert d.draft_one([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1, 2]  # trigram match, copy what followed
+    assert d.draft_one([7, 1, 2, 8, 5, 1, 2, 6, 3, 1, 2]) == [6, 3, 1, 2]  # latest earlier occurrence
+    assert d.draft_one([1, 2, 5, 9, 2]) == [5, 9, 2, 5]  # falls back to a unigram; copy runs into itself
+    assert d.draft_one([4, 4]) == [4, 4, 4, 4]
+    assert d.draft_one([1, 2, 3]) == [3, 3, 3, 3]  # no match: pad with the last token
+    assert d.draft_one([8]) == [8, 8, 8, 8]
+    ctx = [RequestContext(i, t, 1, GREEDY) for i, t in enumerate(([1, 2, 1], [3]))]
+    assert d.propose(ctx).tolist() == [[2, 1, 2, 1], [3, 3, 3, 3]]
+    with pytest.raises(ValueError):
+        NgramDrafter(n=0)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_requests_are_named_and_others_complete(model: TargetModel, oracle: list[list[int]]) -> None:
+    dec = SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN)
+    long = _prompt(MAX_LEN - 5, 9)
+    prompts = [PROMPTS[1], [], long, PROMPTS[2], PROMPTS[3]]
+    params: list[SamplingParams | dict] = [GREEDY, GREEDY, GREEDY, GREEDY, {"temperature": -1.0}]
+    with pytest.raises(ValueError) as e:
+        dec.generate(prompts, params, N_NEW)
+    msg = str(e.value)
+    assert "request 1: empty prompt" in msg and "request 2: prompt of 43 tokens" in msg
+    assert "request 4: temperature" in msg and "request 0" not in msg and "request 3" not in msg
+    out = dec.generate(prompts, params, N_NEW, strict=False)
+    assert out == [oracle[1], [], [], oracle[2], []] and set(dec.errors) == {1, 2, 4}
+    assert dec.generate([PROMPTS[1]], GREEDY, N_NEW) == [oracle[1]]  # the decoder is still usable
+    with pytest.raises(ValueError, match="request 0: max_new_tokens"):
+        dec.generate([PROMPTS[1]], GREEDY, 0)
+    with pytest.raises(ValueError, match="request 0: prompt token ids"):
+        dec.generate([[CFG.vocab_size]], GREEDY, 2)
+
+
+def test_capacity_errors(model: TargetModel) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        SpecDecoder(model, NgramDrafter(), max_batch=3, max_len=MAX_LEN, state=model.new_state(2, MAX_LEN + 7))
+    with pytest.raises(ValueError, match="positions"):
+        SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, state=model.new_state(2, MAX_LEN))
+    with pytest.raises(ValueError, match="proposes"):
+        SpecDecoder(model, NgramDrafter(num_draft=3), max_batch=1, max_len=MAX_LEN)
+    # A larger state than needed is fine: idle rows ride along as padding.
+    dec = SpecDecoder(model, NgramDrafter(), max_batch=1, max_len=MAX_LEN, state=model.new_state(3, MAX_LEN + 7))
+    assert dec.generate([PROMPTS[1]], GREEDY, 4) == [plain_greedy(model, PROMPTS[1], 4)]
+
+
+def test_plain_greedy_matches_batched_target(model: TargetModel) -> None:
+    # The oracle itself: one token per forward, same as a full re-run's last-position argmax.
+    p = PROMPTS[1]
+    out = plain_greedy(model, p, 4)
+    seq = list(p)
+    for t in out:
+        logits = model(torch.tensor([seq]), model.new_state(1, MAX_LEN))
+        assert int(logits[0, -1].argmax()) == t
+        seq.append(t)
+
+
+def test_sampling_is_lossless(model: TargetModel) -> None:
+    """Speculative sampling reproduces the target's joint distribution of the first two tokens
+    (top-k 3: 9 outcomes), through both accepted drafts and rejections."""
+    prompt, sp, n = PROMPTS[1], SamplingParams(temperature=1.0, top_k=3), 600
+    first = target_probs(model(torch.tensor([prompt]), model.new_state(1, MAX_LEN)), [sp])[0, -1]
+    exact: dict[tuple[int, int], float] = {}
+    for a in first.nonzero().flatten().tolist():
+        nxt = target_probs(model(torch.tensor([prompt + [a]]), model.new_state(1, MAX_LEN)), [sp])[0, -1]
+        exact.update({(a, b): float(first[a] * nxt[b]) for b in nxt.nonzero().flatten().tolist()})
+    greedy = plain_greedy(model, prompt, 2)
+    dec = SpecDecoder(model, ReplayDrafter([greedy] * n, 0.6, seed=4), max_batch=32, max_len=MAX_LEN)
+    out = dec.generate([prompt] * n, sp, 2, seed=9)
+    assert any(a > 0 for r in dec.stats.rounds for a in r.accepted)  # some drafts were accepted
+    counts = Counter(tuple(o) for o in out)
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    assert tv < 0.08, (tv, counts, exact)
+
+
+def test_quantized_target_runs(tmp_path: Path) -> None:
+    # The real runtime projections (QuantLinear, CPU dequantize fallback): short but end to end.
+    dep = load_deployment("nvfp4")
+    write_synthetic_checkpoint(tmp_path, CFG, dep, "modelopt", seed=3)
+    m = TargetModel.from_checkpoint(tmp_path, CFG, dep, seed=5, act_dtype=torch.float32)
+    ref = [plain_greedy(m, p, 5) for p in PROMPTS[:2]]
+    dec = SpecDecoder(m, ReplayDrafter(ref, 1.0), max_batch=2, max_len=MAX_LEN)
+    assert dec.generate(PROMPTS[:2], GREEDY, 5) == ref
