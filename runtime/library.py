@@ -58,6 +58,11 @@ def default_table_path(device: torch.device) -> Path:
     return measured if measured.exists() or not generic.exists() else generic
 
 
+@lru_cache(maxsize=None)
+def _layout_key(lay: Layout) -> str:
+    return problem_key(lay.arch, lay.fmt, "silu" if lay.silu else "store", lay.n, lay.k)
+
+
 def fallback_gemm(x: torch.Tensor, packed: PackedWeight, w16: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize + cuBLAS, correct for any M; ``w16`` is an already dequantized weight (cached)."""
     w = dequantize_packed(packed).to(x.dtype) if w16 is None else w16
@@ -92,7 +97,8 @@ class KernelLibrary:
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.path_counts: Counter[tuple[str, int, str]] = Counter()
         self._kernels: dict[str, GemmKernel] = {}
-        self.image_sources: dict[str, str] = {}  # kernel -> "package" | "cache" | "built"
+        self.image_sources: dict[str, str] = {}
+        self._choices: dict[tuple[Layout, int], Choice] = {}  # kernel -> "package" | "cache" | "built"
         self._entries: dict[str, dict[str, Any]] | None = None
         self.table: TuningTable | None = None
         path = table if isinstance(table, Path) else None
@@ -140,14 +146,18 @@ class KernelLibrary:
         return prepack(w, self.layout(fmt, w.n, w.k, silu))
 
     def key(self, packed: PackedWeight) -> str:
-        lay = packed.layout
-        return problem_key(lay.arch, lay.fmt, "silu" if lay.silu else "store", lay.n, lay.k)
+        return _layout_key(packed.layout)
 
     def choose(self, packed: PackedWeight, m: int) -> Choice:
-        key = self.key(packed)
-        if self.table is None:
-            return Choice("fallback", None, m, "no tuning table")
-        return self.table.lookup(key, m)
+        # memoised per (layout, M): dispatch sits on every projection call's host path
+        memo = self._choices.get((packed.layout, m))
+        if memo is None:
+            if self.table is None:
+                memo = Choice("fallback", None, m, "no tuning table")
+            else:
+                memo = self.table.lookup(self.key(packed), m)
+            self._choices[(packed.layout, m)] = memo
+        return memo
 
     def kernel(self, name: str) -> GemmKernel:
         if name not in self._kernels:
