@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ def default_table_path(device: torch.device) -> Path:
     return measured if measured.exists() or not generic.exists() else generic
 
 
-@lru_cache(maxsize=None)
+@cache
 def _layout_key(lay: Layout) -> str:
     return problem_key(lay.arch, lay.fmt, "silu" if lay.silu else "store", lay.n, lay.k)
 
