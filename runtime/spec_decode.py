@@ -16,6 +16,12 @@ logits of that round's position ``j`` predict the token after ``history + d_1..d
 needs no separate "first token" sample. After a round, the kept positions are the pending token and
 the ``a`` accepted drafts; the newly sampled token becomes the pending one.
 
+Drafters conditioned on the target (DFlash: ``needs_taps = True``, ``taps``, ``observe``, ``release``;
+see :class:`TapDrafter`): prefill and verify run the target with ``taps=drafter.taps``; after prefill
+and after every rollback the decoder calls ``drafter.observe(rid, start, hidden)`` with the tapped
+hidden states (concatenated in ``taps`` order) of the positions just committed to the target state,
+and ``drafter.release(rid)`` when a request finishes. Observing is timed as ``draft``.
+
 Capacity: a request may hold ``max_len`` tokens (prompt + generated). The verify forward writes
 ``D + 1`` positions past ``len(history) - 1``, so the state is allocated with ``max_len + D``
 positions (the overshoot is rolled back). Empty slots ride along in the verify forward as padding
@@ -45,6 +51,7 @@ __all__ = [
     "RoundStats",
     "SpecDecoder",
     "Stats",
+    "TapDrafter",
     "plain_greedy",
 ]
 
@@ -82,6 +89,30 @@ class Drafter(Protocol):
     def propose(self, contexts: Sequence[RequestContext]) -> DraftOutput: ...
 
 
+@runtime_checkable
+class TapDrafter(Drafter, Protocol):
+    """A drafter fed the target's hidden states after layers ``taps`` (``needs_taps = True``).
+
+    ``observe(rid, start, hidden)``: request ``rid``'s committed positions ``start .. start + n`` have
+    target hidden states ``hidden [n, len(taps) * H]``; anything the drafter holds past ``start`` is
+    stale (rolled back). ``release(rid)``: the request finished."""
+
+    needs_taps: bool
+    taps: Sequence[int]
+
+    def observe(self, rid: int, start: int, hidden: Tensor) -> None: ...
+
+    def release(self, rid: int) -> None: ...
+
+
+def _tap_drafter(drafter: Drafter) -> TapDrafter | None:
+    return drafter if getattr(drafter, "needs_taps", False) else None  # type: ignore[return-value]
+
+
+def _fuse(hidden: dict[int, Tensor], taps: Sequence[int]) -> Tensor:
+    return torch.cat([hidden[i] for i in taps], dim=-1)  # [B, T, len(taps) * H], DFlash's order
+
+
 class NgramDrafter:
     """Prompt lookup (no weights): match the last ``n`` (then ``n - 1`` .. 1) tokens at their latest
     earlier occurrence in the history and copy what followed it; pad with the last token if none."""
@@ -117,7 +148,8 @@ class ReplayDrafter:
     ``continuations[rid]``: the target's generated tokens for request ``rid`` (e.g. from
     :func:`plain_greedy`). Randomness depends only on (seed, rid, position): batch-composition free.
     ``cost_model``: called once per round with the contexts (e.g. a block-drafter-shaped forward of
-    ``D + 1`` positions per request) so that measured draft time is a real cost; None = free drafts.
+    ``D + 1`` positions per request; :func:`~dflashgen.runtime.drafter.block_drafter_cost` runs a real
+    DFlash2 block drafter) so that measured draft time is a real cost; None = free drafts.
     """
 
     def __init__(self, continuations: Sequence[Sequence[int]], acceptance: float, num_draft: int = 7,
@@ -263,6 +295,7 @@ class SpecDecoder:
             raise ValueError(f"the decode state holds {state.max_len} positions; max_len={max_len} with "
                              f"num_draft={num_draft} needs {need}")
         self.target, self.drafter, self.state = target, drafter, state
+        self.tap_drafter = _tap_drafter(drafter)
         self.max_batch, self.max_len, self.num_draft = max_batch, max_len, num_draft
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
@@ -376,7 +409,8 @@ class SpecDecoder:
 
             t0 = timer.start("target")
             st.checkpoint(d + 1)
-            logits = self.target(tokens, st)
+            taps = self.tap_drafter.taps if self.tap_drafter else None
+            logits, hidden = self.target(tokens, st, taps=taps) if taps is not None else (self.target(tokens, st), {})
             timer.stop("target", t0)
 
             t0 = timer.start("sample")
@@ -385,6 +419,16 @@ class SpecDecoder:
             keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + res.accepted.cpu(), 0)
             st.rollback((base + keep).to(dev))
             timer.stop("sample", t0)
+
+            if self.tap_drafter is not None:  # the kept positions: pending token + accepted drafts
+                t0 = timer.start("draft")
+                fused = _fuse(hidden, self.tap_drafter.taps)
+                keep_l = keep.tolist()
+                for s in active:
+                    r = slots[s]
+                    assert r is not None
+                    self.tap_drafter.observe(r.rid, int(base[s]), fused[s, :keep_l[s]])
+                timer.stop("draft", t0)
 
             t0 = timer.start("host")
             acc_l, tok_l = res.accepted.tolist(), res.tokens.tolist()
@@ -401,6 +445,8 @@ class SpecDecoder:
                         break
                 if r.generated[-1:] == [eos] or len(r.generated) >= r.max_new:
                     out[r.rid] = r.generated
+                    if self.tap_drafter is not None:
+                        self.tap_drafter.release(r.rid)
                     slots[s] = None
                     st.reset(s)  # frees the slot; the next admission reuses it
             timer.stop("host", t0)
@@ -415,7 +461,11 @@ class SpecDecoder:
         reqs = [slots[s] for s in joins]
         lens = [len(r.tokens) - 1 for r in reqs if r is not None]
         t = max(lens)
+        td = self.tap_drafter
         if t == 0:
+            for r in reqs:  # an empty context (also clears any stale one under the same rid)
+                if td is not None and r is not None:
+                    td.observe(r.rid, 0, torch.empty(0, 0, device=self.target.device))
             return  # all 1-token prompts: the pending token is the whole prompt
         timer = _Timer(self.target.device)
         t0 = timer.start("prefill")
@@ -425,7 +475,15 @@ class SpecDecoder:
             assert r is not None
             pad[j, :lens[j]] = torch.tensor(r.tokens[:-1])
         tmp = self.target.new_state(len(joins), t)
-        self.target(pad.to(dev), tmp, num_new=torch.tensor(lens, device=dev))
+        n_new = torch.tensor(lens, device=dev)
+        if td is not None:
+            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps)
+            fused = _fuse(hidden, td.taps)
+            for j, r in enumerate(reqs):
+                assert r is not None
+                td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
+        else:
+            self.target(pad.to(dev), tmp, num_new=n_new)
         st = self.state
         for j, s in enumerate(joins):
             n = lens[j]

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -277,13 +278,29 @@ class TargetModel(torch.nn.Module):
     def _p(self, i: int, name: str) -> torch.nn.Module:
         return self.proj[i][name]  # type: ignore[index]
 
+    @overload
+    def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
+                taps: None = None) -> Tensor: ...
+
+    @overload
+    def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
+                taps: Sequence[int]) -> tuple[Tensor, dict[int, Tensor]]: ...
+
     @torch.no_grad()
-    def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
+                taps: Sequence[int] | None = None) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
         """Append ``tokens [B, T]`` at positions ``state.lengths + t``; logits ``[B, T, V]`` FP32.
 
         num_new: per-request count of real tokens (right padding beyond it, e.g. prompts of different
         lengths): every position is computed, but request b only advances by ``num_new[b]``.
+        taps: decoder layer indices (0-based) whose output hidden states ``[B, T, H]`` FP32 to return
+        as ``(logits, {layer: hidden})`` -- HF ``hidden_states[layer + 1]``, what a DFlash drafter is
+        conditioned on. None (default): logits only.
         """
+        tap_set = set(taps) if taps is not None else set()
+        if bad := sorted(i for i in tap_set if not 0 <= i < self.cfg.num_hidden_layers):
+            raise ValueError(f"taps {bad} outside layers [0, {self.cfg.num_hidden_layers})")
+        tapped: dict[int, Tensor] = {}
         b, t = tokens.shape
         if b != state.batch:
             raise ValueError(f"tokens have {b} requests, the state {state.batch}")
@@ -314,12 +331,14 @@ class TargetModel(torch.nn.Module):
             else:
                 h = h + self._gdn(i, x, state, n_new, keep)
             h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
+            if i in tap_set:
+                tapped[i] = h
         logits = self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps))
 
         state.lengths = base + (n_new if n_new is not None else t)
         state._base, state._span = (base, t) if keep else (None, 0)
         state._armed = 0
-        return logits
+        return logits if taps is None else (logits, {i: tapped[i] for i in taps})
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         gu = self._p(i, "gate_up_proj")

@@ -1,0 +1,435 @@
+"""DFlash2 block drafter ("q7") in plain torch, plus its :class:`~dflashgen.runtime.spec_decode.Drafter`.
+
+One non-causal pass over a block of ``block_size`` (8) positions -- the last verified token followed by
+``block_size - 1`` mask tokens -- proposes ``block_size - 1`` (7) drafts. The block is embedded with the
+target's embeddings and decoded with the target's lm_head (shared, never copied). The drafter is
+conditioned on the target's hidden states after layers ``target_layers`` for every verified position:
+concatenated, fused by ``fc`` + ``hidden_norm`` to the drafter width, and projected by every drafter
+layer's k/v projections into extra keys/values in front of the block's own (HF DFlash convention).
+
+Per request, :class:`DFlashDrafter` keeps those context keys/values (after k_norm and RoPE, at their
+absolute positions) in a small cache: appended with each round's accepted positions, cropped on
+rollback. A context position's K/V depends only on the target hidden state at that position, so
+appending is exact (up to GEMM shape rounding).
+
+Weights: drawn from a seed under ``load_state_dict``-compatible names (``fc.weight``,
+``hidden_norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``layers.{i}.{input,post_attention}_layernorm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``norm.weight``); real DFlash2 weights load by those names. Norm weights are plain (Qwen3: ``x * w``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import sample_categorical, target_probs
+from .spec_decode import RequestContext
+from .target import TargetModel
+
+__all__ = ["BlockDrafter", "DFlashDrafter", "DrafterConfig", "block_drafter_cost"]
+
+Tensor = torch.Tensor
+KV = list[tuple[Tensor, Tensor]]  # per drafter layer: (K, V) [L, Hkv, D]
+
+# HF / DFlash config keys -> DrafterConfig fields.
+_ALIASES = {
+    "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+    "target_layer_ids": "target_layers",
+}
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """DFlash2 drafter shape; defaults = the Qwen3.8-27B drafter (shared/reference/qwen38-27b.md).
+
+    ``target_layers``: 0-based target decoder layers whose outputs condition the drafter (HF
+    ``hidden_states[i + 1]``); ``target_hidden_size``: the target's hidden size (fc input = len x it).
+    """
+
+    num_layers: int = 5
+    hidden_size: int = 5120
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 17408
+    block_size: int = 8
+    mask_token_id: int = 248070
+    target_layers: tuple[int, ...] = (5, 19, 33, 47, 61)
+    target_hidden_size: int = 5120
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(self.target_layers))
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "target_hidden_size"):
+            _check_int(f, getattr(self, f), 1)
+        _check_int("block_size", self.block_size, 2)
+        _check_int("mask_token_id", self.mask_token_id, 0)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DrafterConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"DrafterConfig.head_dim must be even (RoPE), got {self.head_dim}")
+        t = self.target_layers
+        if not t or len(set(t)) != len(t):
+            raise ValueError(f"DrafterConfig.target_layers must be non-empty and unique, got {list(t)}")
+        for x in t:
+            _check_int("target_layers", x, 0)
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"DrafterConfig.{f} must be a finite number > 0, got {v!r}")
+
+    @property
+    def num_draft(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def tiny(cls, target_hidden_size: int = 64, mask_token_id: int = 0, target_layers: Sequence[int] = (0, 2),
+             **overrides: Any) -> DrafterConfig:
+        """A CPU-test-sized drafter (2 layers, 4 Q / 2 KV heads x 16) at the target's width."""
+        kw: dict[str, Any] = dict(num_layers=2, hidden_size=target_hidden_size, num_heads=4, num_kv_heads=2,
+                                  head_dim=16, intermediate_size=2 * target_hidden_size, mask_token_id=mask_token_id,
+                                  target_layers=tuple(target_layers), target_hidden_size=target_hidden_size)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, strict: bool = True) -> DrafterConfig:
+        """From field names or HF / DFlash keys (``num_hidden_layers``, ``target_layer_ids``, a nested
+        ``dflash_config``...). ``strict``: unknown keys are an error naming them; else ignored."""
+        flat = dict(raw)
+        flat.update(flat.pop("dflash_config", None) or {})
+        names = {f.name for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        unknown = []
+        for k, v in flat.items():
+            f = _ALIASES.get(k, k)
+            if f in names:
+                kw[f] = v
+            else:
+                unknown.append(k)
+        if unknown and strict:
+            raise ValueError(f"DrafterConfig: unknown keys {sorted(unknown)}")
+        if "target_layers" in kw and not isinstance(kw["target_layers"], list | tuple):
+            raise ValueError(f"DrafterConfig.target_layers must be a list of ints, got {kw['target_layers']!r}")
+        return cls(**kw)
+
+
+def _check_int(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"DrafterConfig.{name} must be an integer >= {lo}, got {v!r}")
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _lin(k: int, n: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Linear:
+    return torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, n: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n, device=device, dtype=dtype))
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, cfg: DrafterConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj, self.o_proj = _lin(h, nh * d, device, dtype), _lin(nh * d, h, device, dtype)
+        self.k_proj, self.v_proj = _lin(h, nkv * d, device, dtype), _lin(h, nkv * d, device, dtype)
+        self.q_norm, self.k_norm = _Norm(d, device, dtype), _Norm(d, device, dtype)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, cfg: DrafterConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = (_lin(h, i, device, dtype), _lin(h, i, device, dtype),
+                                                        _lin(i, h, device, dtype))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, cfg: DrafterConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = _Norm(cfg.hidden_size, device, dtype)
+        self.self_attn = _Attn(cfg, device, dtype)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size, device, dtype)
+        self.mlp = _MLP(cfg, device, dtype)
+
+
+class BlockDrafter(torch.nn.Module):
+    """The DFlash2 network. ``embed`` (``[V, H]`` tensor or an embedding module) and ``lm_head`` are the
+    target's, held by reference and not registered (not in ``state_dict``, not moved by ``.to``)."""
+
+    def __init__(self, cfg: DrafterConfig, embed: Tensor | torch.nn.Module, lm_head: torch.nn.Module, *,
+                 seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 act_dtype: torch.dtype | None = None) -> None:
+        """act_dtype: the lm_head's input dtype (the target's; default ``dtype``)."""
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        e_dim = embed.shape[-1] if isinstance(embed, Tensor) else getattr(embed, "embedding_dim", h)
+        if e_dim != h:
+            raise ValueError(f"target embeddings have width {e_dim}, DrafterConfig.hidden_size is {h}")
+        self._shared = (embed, lm_head)  # a tuple: not registered as parameters / submodules
+        self.act_dtype = act_dtype or dtype
+
+        self.fc = _lin(len(cfg.target_layers) * cfg.target_hidden_size, h, device, dtype)
+        self.hidden_norm = _Norm(h, device, dtype)
+        self.layers = torch.nn.ModuleList(_Layer(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.norm = _Norm(h, device, dtype)
+        self.reseed(seed)
+
+    @classmethod
+    def for_target(cls, target: TargetModel, cfg: DrafterConfig, *, seed: int = 0,
+                   dtype: torch.dtype = torch.float32) -> BlockDrafter:
+        """Shares ``target``'s embeddings and lm_head; checks the taps, width and mask id against it."""
+        tc = target.cfg
+        if bad := [i for i in cfg.target_layers if i >= tc.num_hidden_layers]:
+            raise ValueError(f"DrafterConfig.target_layers {bad} outside the target's {tc.num_hidden_layers} layers")
+        if cfg.target_hidden_size != tc.hidden_size:
+            raise ValueError(f"DrafterConfig.target_hidden_size={cfg.target_hidden_size}, target has {tc.hidden_size}")
+        if cfg.mask_token_id >= tc.vocab_size:
+            raise ValueError(f"DrafterConfig.mask_token_id={cfg.mask_token_id} outside the vocab ({tc.vocab_size})")
+        return cls(cfg, target.w["model.embed_tokens.weight"], target.lm_head, seed=seed, dtype=dtype,
+                   device=target.device, act_dtype=target.act_dtype)
+
+    @torch.no_grad()
+    def reseed(self, seed: int) -> None:
+        """Deterministic stand-in weights, one generator per name (as the target's non-linear weights):
+        linears ~ N(0, 1/fan_in), norms 1 +- 0.1."""
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (1 << 62))
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * r if p.dim() == 1 else r / math.sqrt(p.shape[1]))
+
+    # ------------------------------------------------------------------ pieces
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def _layers(self) -> list[_Layer]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    def _lin(self, m: torch.nn.Linear, x: Tensor) -> Tensor:
+        return m(x.to(m.weight.dtype)).float()
+
+    def _rope(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x [..., N, heads, D] at absolute positions pos [..., N]; full-width rotary (Qwen3)."""
+        d = self.cfg.head_dim
+        # fp64 angles, computed here (not a buffer) so .to(fp16) cannot round them
+        inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d)
+        ang = pos[..., None].double() * inv_freq
+        emb = torch.cat((ang, ang), -1)
+        cos, sin = emb.cos().float()[..., None, :], emb.sin().float()[..., None, :]
+        return x * cos + _rotate_half(x) * sin
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        e = self._shared[0]
+        return (e[tokens] if isinstance(e, Tensor) else e(tokens)).float()
+
+    def logits(self, h: Tensor) -> Tensor:
+        lm = self._shared[1]
+        return lm(h.to(self.act_dtype)).float()
+
+    @torch.no_grad()
+    def context_kv(self, hidden: Tensor, positions: Tensor) -> KV:
+        """Context keys/values of every layer for target hidden states ``hidden [N, len(taps) * Ht]``
+        (taps concatenated in ``target_layers`` order) at absolute ``positions [N]``."""
+        cfg = self.cfg
+        fused = _rms_norm(self._lin(self.fc, hidden.float()), self.hidden_norm.weight.float(), cfg.rms_norm_eps)
+        out: KV = []
+        for layer in self._layers():
+            att = layer.self_attn
+            k = self._lin(att.k_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            k = self._rope(_rms_norm(k, att.k_norm.weight.float(), cfg.rms_norm_eps), positions)
+            out.append((k, self._lin(att.v_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)))
+        return out
+
+    @torch.no_grad()
+    def forward_embeds(self, x: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:
+        """Block hidden states ``x [B, S, H]`` at positions ``start[b] + s`` over request b's context
+        K/V ``context[b]`` (``[layer] -> (K, V) [start[b], Hkv, D]``) -> final-normed ``[B, S, H]``.
+        Attention is NOT causal inside the block: every position sees the whole context and block."""
+        cfg, (b, s, _) = self.cfg, x.shape
+        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        pos = torch.tensor(list(start), dtype=torch.long, device=x.device)[:, None] + torch.arange(s, device=x.device)
+        h = x.float()
+        for li, layer in enumerate(self._layers()):
+            att = layer.self_attn
+            y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
+            q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
+            k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
+            v = self._lin(att.v_proj, y).view(b, s, nkv, d)
+            o = torch.empty(b, s, nh, d, device=x.device)
+            for r in range(b):  # per request over its own context: batch composition cannot change its math
+                kc, vc = context[r][li]
+                kr = torch.cat((kc.float(), k[r]), 0).permute(1, 0, 2)[:, None]  # [Hkv, 1, L+S, D]
+                vr = torch.cat((vc.float(), v[r]), 0).permute(1, 0, 2)[:, None]
+                qr = q[r].view(s, nkv, nh // nkv, d).permute(1, 2, 0, 3)  # [Hkv, G, S, D]
+                p = ((qr @ kr.transpose(-1, -2)) * d**-0.5).softmax(-1)  # no mask: non-causal block
+                o[r] = (p @ vr).permute(2, 0, 1, 3).reshape(s, nh, d)
+            h = h + self._lin(att.o_proj, o.reshape(b, s, nh * d))
+            y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
+            mlp = layer.mlp
+            h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
+        return _rms_norm(h, self.norm.weight.float(), eps)
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:
+        """Block tokens ``[B, S]`` -> logits ``[B, S - 1, V]`` of positions 1.. (the mask positions)."""
+        return self.logits(self.forward_embeds(self.embed(tokens), start, context)[:, 1:])
+
+
+class _ContextCache:
+    """One request's context K/V per drafter layer, preallocated and grown by doubling."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.kv: KV = []
+
+    def append(self, kv: KV) -> None:
+        n = kv[0][0].shape[0] if kv else 0
+        if not n:
+            return
+        if not self.kv or self.length + n > self.kv[0][0].shape[0]:
+            cap = max(16, 2 * (self.length + n))
+            grown: KV = []
+            for i, (k, v) in enumerate(kv):
+                gk, gv = k.new_zeros((cap, *k.shape[1:])), v.new_zeros((cap, *v.shape[1:]))
+                if self.kv:
+                    gk[:self.length], gv[:self.length] = self.kv[i][0][:self.length], self.kv[i][1][:self.length]
+                grown.append((gk, gv))
+            self.kv = grown
+        for (ck, cv), (k, v) in zip(self.kv, kv, strict=True):
+            ck[self.length:self.length + n], cv[self.length:self.length + n] = k, v
+        self.length += n
+
+    def view(self, num_layers: int, like: Tensor, nkv: int, d: int) -> KV:
+        if not self.kv:  # empty context (1-token prompt)
+            z = like.new_zeros((0, nkv, d))
+            return [(z, z)] * num_layers
+        return [(k[:self.length], v[:self.length]) for k, v in self.kv]
+
+
+class DFlashDrafter:
+    """:class:`~dflashgen.runtime.spec_decode.Drafter` over a :class:`BlockDrafter`.
+
+    Tap hook (``needs_taps = True``; :class:`~dflashgen.runtime.spec_decode.SpecDecoder` drives it):
+    the decoder runs the target with ``taps=self.taps`` and calls ``observe(rid, start, hidden)`` with
+    the concatenated tapped hidden states of request ``rid``'s verified positions ``start..`` (the
+    prefilled prompt, then each round's kept positions). ``observe`` first crops the cache to
+    ``start`` (rollback), so positions are never duplicated. ``release(rid)`` drops a finished request.
+
+    ``propose`` needs exactly ``len(tokens) - 1`` cached context positions per request (the pending
+    token is block position 0). Greedy requests get the argmax; sampled ones draw from the drafter's
+    distribution under the request's temperature / top-k / top-p, returned as q for verification.
+    """
+
+    needs_taps = True
+
+    def __init__(self, model: BlockDrafter, seed: int = 0) -> None:
+        self.model = model
+        self.num_draft = model.cfg.num_draft
+        self.taps: tuple[int, ...] = model.cfg.target_layers
+        self.label = f"dflash2 block drafter (block {model.cfg.block_size})"
+        self.gen = torch.Generator().manual_seed(seed)  # draft sampling only: losslessness never depends on it
+        self._cache: dict[int, _ContextCache] = {}
+
+    def context_len(self, rid: int) -> int:
+        c = self._cache.get(rid)
+        return c.length if c else 0
+
+    def crop(self, rid: int, length: int) -> None:
+        c = self._cache.get(rid)
+        if c is None and length:
+            raise ValueError(f"request {rid} has no context to crop to {length}")
+        if c is not None:
+            if not 0 <= length <= c.length:
+                raise ValueError(f"request {rid}: crop to {length} outside [0, {c.length}]")
+            c.length = length  # entries past it are stale and overwritten by the next append
+
+    def observe(self, rid: int, start: int, hidden: Tensor) -> None:
+        """Target hidden states ``[n, len(taps) * Ht]`` of request ``rid`` at positions ``start..start+n``."""
+        self.crop(rid, start)
+        c = self._cache.setdefault(rid, _ContextCache())
+        if hidden.shape[0]:
+            pos = torch.arange(start, start + hidden.shape[0], device=hidden.device)
+            c.append(self.model.context_kv(hidden, pos))
+
+    def release(self, rid: int) -> None:
+        self._cache.pop(rid, None)
+
+    @torch.no_grad()
+    def draft_logits(self, contexts: Sequence[RequestContext]) -> Tensor:
+        """Drafter logits ``[B, D, V]`` of the mask positions, block ``[pending token, mask x D]``."""
+        m, cfg = self.model, self.model.cfg
+        start = [len(c.tokens) - 1 for c in contexts]
+        for c, n in zip(contexts, start, strict=True):
+            if self.context_len(c.rid) != n:
+                raise RuntimeError(f"request {c.rid}: the drafter holds {self.context_len(c.rid)} context "
+                                   f"positions, needs {n} (observe() the target's tapped hidden states)")
+        dev = m.device
+        block = torch.full((len(contexts), cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long, device=dev)
+        like = torch.empty(0, device=dev)
+        ctx = [self._cache[c.rid].view(cfg.num_layers, like, cfg.num_kv_heads, cfg.head_dim) for c in contexts]
+        return m(block, start, ctx)
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
+        logits = self.draft_logits(contexts)
+        dev = logits.device
+        params = [c.params for c in contexts]
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        tokens = logits.argmax(-1)
+        if bool(greedy.all()):
+            return tokens, None  # verification ignores q for greedy requests
+        q = target_probs(logits, params)  # greedy rows: one-hot (ignored)
+        b, d, v = q.shape
+        u = torch.rand(b * d, generator=self.gen).to(dev)
+        sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
+        return torch.where(greedy[:, None], tokens, sampled), q
+
+
+def block_drafter_cost(drafter: BlockDrafter | DFlashDrafter, seed: int = 0,
+                       ) -> Callable[[Sequence[RequestContext]], None]:
+    """A :class:`~dflashgen.runtime.spec_decode.ReplayDrafter` ``cost_model``: each round, feed every
+    request's new context positions (random stand-in hidden states: same shapes, so the same cost as
+    real taps) into a DFlashDrafter and run its block forward; the drafts are discarded. Requests
+    absent from a round are finished and released. A request's first round also pays its prompt's
+    context projections (the real decoder does that at prefill)."""
+    dd = drafter if isinstance(drafter, DFlashDrafter) else DFlashDrafter(drafter, seed)
+    cfg = dd.model.cfg
+    width = len(cfg.target_layers) * cfg.target_hidden_size
+    g = torch.Generator().manual_seed(seed)
+    dev = dd.model.device
+
+    def cost(contexts: Sequence[RequestContext]) -> None:
+        live = {c.rid for c in contexts}
+        for rid in [r for r in dd._cache if r not in live]:
+            dd.release(rid)
+        for c in contexts:
+            n, have = len(c.tokens) - 1, dd.context_len(c.rid)
+            start = have if have <= n else 0  # shorter history: a new request reusing the rid
+            dd.observe(c.rid, start, torch.randn(n - start, width, generator=g).to(dev))
+        dd.propose(contexts)
+
+    return cost

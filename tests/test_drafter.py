@@ -1,0 +1,277 @@
+"""DFlash2 block drafter (runtime/drafter.py) and its spec-decode tap hook, on the tiny hybrid target
+of tests/test_spec_decode.py, CPU only: shapes, block non-causality, context cache append/crop,
+lossless greedy decoding with real drafts, the sampled (draft probs) path, config validation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from dflashgen.runtime.drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_cost
+from dflashgen.runtime.sampling import SamplingParams
+from dflashgen.runtime.spec_decode import ReplayDrafter, RequestContext, SpecDecoder, TapDrafter, plain_greedy
+from dflashgen.runtime.synthetic import write_synthetic_checkpoint
+from dflashgen.runtime.target import NonLinearWeights, TargetModel
+
+from dflashgen.deployment import load_deployment
+from dflashgen.model import parse_model_config
+
+RAW = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attn_output_gate": True,
+    "partial_rotary_factor": 0.25, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 97,
+}
+CFG = parse_model_config(RAW)
+DCFG = DrafterConfig.tiny(64, mask_token_id=96, target_layers=(0, 2, 3))
+GREEDY = SamplingParams(temperature=0.0)
+MAX_LEN = 40
+N_NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    """The synthetic NVFP4 checkpoint dequantized into FP32 nn.Linear (fast, deterministic on CPU)."""
+    out = tmp_path_factory.mktemp("tiny-hybrid-drafter")
+    dep = load_deployment("nvfp4")
+    write_synthetic_checkpoint(out, CFG, dep, "modelopt", seed=3)
+    q = TargetModel.from_checkpoint(Path(out), CFG, dep, seed=5, act_dtype=torch.float32)
+    mods = {f"layers.{i}.{k}": m for i, md in enumerate(q.proj) for k, m in md.items()}
+    projs: dict[str, torch.nn.Module] = {}
+    for name, m in {**mods, "lm_head": q.lm_head}.items():
+        w = m.dequantize() if hasattr(m, "dequantize") else m.weight.float()
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.float()
+        projs[name] = lin
+    return TargetModel(CFG, projs, NonLinearWeights.from_checkpoint(out, CFG, seed=5), device="cpu",
+                       act_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def block(model: TargetModel) -> BlockDrafter:
+    return BlockDrafter.for_target(model, DCFG, seed=7)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(1, 1), _prompt(6, 2), _prompt(13, 3)]
+
+
+@pytest.fixture(scope="module")
+def oracle(model: TargetModel) -> list[list[int]]:
+    return [plain_greedy(model, p, N_NEW) for p in PROMPTS]
+
+
+def _taps(model: TargetModel, tokens: Sequence[int]) -> torch.Tensor:
+    """Concatenated tapped hidden states [T, len(taps) * H] of a from-scratch prefill."""
+    _, hid = model(torch.tensor([list(tokens)]), model.new_state(1, len(tokens)), taps=DCFG.target_layers)
+    return torch.cat([hid[i][0] for i in DCFG.target_layers], -1)
+
+
+def _ctx(tokens: Sequence[int], rid: int = 0, params: SamplingParams = GREEDY) -> RequestContext:
+    return RequestContext(rid, tuple(tokens), 1, params)
+
+
+# --------------------------------------------------------------------------- target taps
+
+
+def test_target_taps_are_layer_outputs(model: TargetModel) -> None:
+    toks = torch.tensor([_prompt(9, 4)])
+    plain = model(toks, model.new_state(1, 9))
+    logits, hid = model(toks, model.new_state(1, 9), taps=[3, 0])
+    assert list(hid) == [3, 0] and hid[0].shape == (1, 9, CFG.hidden_size)
+    assert torch.equal(logits, plain)  # opt-in taps change nothing
+    w = model.w["model.norm.weight"]
+    last = hid[3] * torch.rsqrt(hid[3].pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * w
+    torch.testing.assert_close(model.lm_head(last), logits)  # tap 3 = output of the last layer
+    with pytest.raises(ValueError, match=r"taps \[4\]"):
+        model(toks, model.new_state(1, 9), taps=[4])
+
+
+# --------------------------------------------------------------------------- block drafter
+
+
+def test_shapes_names_and_shared_modules(model: TargetModel, block: BlockDrafter) -> None:
+    sd = block.state_dict()
+    assert sd["fc.weight"].shape == (64, 3 * 64)
+    assert sd["layers.1.self_attn.k_proj.weight"].shape == (2 * 16, 64)
+    assert sd["layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    assert not any("embed" in n or "lm_head" in n for n in sd)  # the target's, not copied
+    assert block._shared[1] is model.lm_head and block._shared[0] is model.w["model.embed_tokens.weight"]
+    again = BlockDrafter.for_target(model, DCFG, seed=7)
+    assert all(torch.equal(sd[n], t) for n, t in again.state_dict().items())  # seed-deterministic
+    again.load_state_dict(sd)  # the names load back
+
+    hidden = _taps(model, _prompt(10, 5))
+    kv = block.context_kv(hidden, torch.arange(10))
+    assert len(kv) == DCFG.num_layers and kv[0][0].shape == kv[0][1].shape == (10, 2, 16)
+    toks = torch.tensor([[5] + [DCFG.mask_token_id] * 7] * 2)
+    logits = block(toks, [10, 4], [kv, [(k[:4], v[:4]) for k, v in kv]])
+    assert logits.shape == (2, 7, CFG.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_block_attention_is_not_causal(block: BlockDrafter, model: TargetModel) -> None:
+    kv = block.context_kv(_taps(model, _prompt(6, 6)), torch.arange(6))
+    x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(0))
+    base = block.forward_embeds(x, [6], [kv])
+    y = x.clone()
+    y[0, 6] += 1.0  # perturb a later block position
+    pert = block.forward_embeds(y, [6], [kv])
+    assert (pert[0, 1] - base[0, 1]).abs().max() > 1e-4  # position 1 sees position 6
+    assert (pert[0, 0] - base[0, 0]).abs().max() > 1e-4
+    # ...and the context matters too
+    other = block.forward_embeds(x, [6], [[(k, v + 1.0) for k, v in kv]])
+    assert (other - base).abs().max() > 1e-4
+
+
+def test_context_cache_append_and_crop(block: BlockDrafter, model: TargetModel) -> None:
+    toks = _prompt(16, 7)
+    h = _taps(model, toks)
+    alt = h.flip(0)  # "rejected drafts": different hidden states at the overshooting positions
+    a = DFlashDrafter(block)
+    a.observe(0, 0, h[:9])
+    a.observe(0, 9, torch.cat((h[9:11], alt[11:16])))  # a verify round's 7 positions...
+    a.crop(0, 11)  # ...rolled back to 11
+    a.observe(0, 11, h[11:13])  # the accepted ones appended
+    a.observe(0, 13, h[13:14])
+    fresh = DFlashDrafter(block)
+    fresh.observe(0, 0, h[:14])
+    assert a.context_len(0) == fresh.context_len(0) == 14
+    ctx = [_ctx(toks[:15])]
+    torch.testing.assert_close(a.draft_logits(ctx), fresh.draft_logits(ctx), rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.propose(ctx)[0], fresh.propose(ctx)[0])
+    # observe() crops to its start: re-observing from 0 restarts the request (rid reuse)
+    a.observe(0, 0, h[:3])
+    assert a.context_len(0) == 3
+    with pytest.raises(RuntimeError, match="holds 3 context positions, needs 14"):
+        a.propose(ctx)
+    with pytest.raises(ValueError, match="crop to 5"):
+        a.crop(0, 5)
+    a.release(0)
+    assert a.context_len(0) == 0
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+class _CheckedDrafter(DFlashDrafter):
+    """Checks every round that the cache built through the decoder's hook equals the context K/V of
+    a from-scratch target prefill of the request's history."""
+
+    rounds = 0
+
+    def propose(self, contexts: Sequence[RequestContext]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for c in contexts:
+            n = len(c.tokens) - 1
+            if n:
+                ref = self.model.context_kv(_taps(self.target, c.tokens[:-1]), torch.arange(n))
+                got = self._cache[c.rid].kv
+                for (rk, rv), (gk, gv) in zip(ref, got, strict=True):
+                    torch.testing.assert_close(gk[:n], rk, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(gv[:n], rv, rtol=1e-4, atol=1e-4)
+        self.rounds += 1
+        return super().propose(contexts)
+
+
+def test_greedy_with_dflash_drafter_is_lossless(model: TargetModel, block: BlockDrafter,
+                                                oracle: list[list[int]]) -> None:
+    d = _CheckedDrafter(block)
+    d.target = model  # type: ignore[attr-defined]
+    assert isinstance(d, TapDrafter)
+    dec = SpecDecoder(model, d, max_batch=2, max_len=MAX_LEN)  # 3 requests: one queues, a slot is reused
+    assert dec.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    assert d.rounds > 0 and not d._cache  # every finished request was released
+    assert dec.generate([PROMPTS[0]], GREEDY, N_NEW) == [oracle[0]]  # reused; a lone 1-token prompt
+    assert dec.stats.summary()["drafter"].startswith("dflash2")
+
+
+def test_sampled_drafts_return_probs_and_decode(model: TargetModel, block: BlockDrafter) -> None:
+    d = DFlashDrafter(block, seed=1)
+    h = _taps(model, PROMPTS[2][:-1])
+    d.observe(3, 0, h)
+    sp = SamplingParams(temperature=0.8, top_k=20)
+    toks, q = d.propose([_ctx(PROMPTS[2], 3, sp), _ctx(PROMPTS[2], 3, GREEDY)])
+    assert toks.shape == (2, 7) and q is not None and q.shape == (2, 7, CFG.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, 7))
+    assert bool((q[0].gather(-1, toks[0, :, None]) > 0).all())  # sampled from q
+    assert torch.equal(toks[1], d.draft_logits([_ctx(PROMPTS[2], 3)])[0].argmax(-1))
+
+    dec = SpecDecoder(model, DFlashDrafter(block, seed=2), max_batch=2, max_len=MAX_LEN)
+    out = dec.generate(PROMPTS, [sp, SamplingParams(temperature=1.0, seed=9), GREEDY], N_NEW, seed=4)
+    assert [len(o) for o in out] == [N_NEW] * 3
+    assert all(0 <= t < CFG.vocab_size for o in out for t in o)
+
+
+def test_replay_pays_block_drafter_cost(model: TargetModel, block: BlockDrafter,
+                                        oracle: list[list[int]]) -> None:
+    dd = DFlashDrafter(block)
+    calls: list[int] = []
+    cost = block_drafter_cost(dd)
+
+    def counted(ctx: Sequence[RequestContext]) -> None:
+        calls.append(len(ctx))
+        cost(ctx)
+        assert all(dd.context_len(c.rid) == len(c.tokens) - 1 for c in ctx)
+
+    dec = SpecDecoder(model, ReplayDrafter(oracle, 1.0, cost_model=counted), max_batch=2, max_len=MAX_LEN)
+    assert dec.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    assert calls and sum(calls) == sum(r.batch for r in dec.stats.rounds)
+    block_drafter_cost(block)([_ctx(PROMPTS[1])])  # a bare BlockDrafter works too
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_from_dict() -> None:
+    c = DrafterConfig()
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.block_size, c.mask_token_id, c.target_layers, c.num_draft) == (
+        5, 5120, 32, 8, 128, 17408, 8, 248070, (5, 19, 33, 47, 61), 7)
+    hf = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "intermediate_size": 128, "target_hidden_size": 64, "block_size": 4,
+          "dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 3]}, "vocab_size": 97}
+    with pytest.raises(ValueError, match=r"unknown keys \['vocab_size'\]"):
+        DrafterConfig.from_dict(hf)
+    d = DrafterConfig.from_dict(hf, strict=False)
+    assert d.target_layers == (0, 3) and d.num_draft == 3 and d.mask_token_id == 96
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"num_kv_heads": 3}, "num_heads"),
+    ({"block_size": 1}, "block_size"),
+    ({"mask_token_id": -1}, "mask_token_id"),
+    ({"target_layers": []}, "target_layers"),
+    ({"target_layers": [1, 1]}, "target_layers"),
+    ({"head_dim": 15}, "head_dim"),
+    ({"rope_theta": 0}, "rope_theta"),
+    ({"num_layers": "5"}, "num_layers"),
+    ({"target_layers": 3}, "target_layers"),
+])
+def test_config_validation_names_the_field(bad: dict, field: str) -> None:
+    raw = {**DrafterConfig.tiny().__dict__, **bad}
+    with pytest.raises(ValueError, match=f"DrafterConfig.{field}"):
+        DrafterConfig.from_dict(raw)
+
+
+def test_config_checked_against_target(model: TargetModel) -> None:
+    for kw, field in (({"target_layers": (1, 4)}, "target_layers"), ({"mask_token_id": 97}, "mask_token_id"),
+                      ({"target_hidden_size": 32}, "target_hidden_size")):
+        with pytest.raises(ValueError, match=f"DrafterConfig.{field}"):
+            BlockDrafter.for_target(model, replace(DrafterConfig.tiny(64), **kw))
+    with pytest.raises(ValueError, match="width 64"):
+        BlockDrafter.for_target(model, DrafterConfig.tiny(64, hidden_size=32))
