@@ -300,6 +300,9 @@ class SpecDecoder:
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
+        # Optional observer (event, request, tokens generated so far): "admit" before a request's
+        # prefill, "tokens" after a round appends to it. For per-request timestamps (TTFT / TPOT).
+        self.observer: Callable[[str, int, int], None] | None = None
 
     # ------------------------------------------------------------------ validation
 
@@ -368,6 +371,8 @@ class SpecDecoder:
                     st.reset(s)
                     joins.append(s)
                     self.slot_log.append((slots[s].rid, s))  # type: ignore[union-attr]
+                    if self.observer is not None:
+                        self.observer("admit", slots[s].rid, 0)  # type: ignore[union-attr]
             if joins:
                 self._prefill(slots, joins)
 
@@ -443,6 +448,8 @@ class SpecDecoder:
                     emitted += 1
                     if t == eos or len(r.generated) >= r.max_new:
                         break
+                if self.observer is not None:
+                    self.observer("tokens", r.rid, len(r.generated))
                 if r.generated[-1:] == [eos] or len(r.generated) >= r.max_new:
                     out[r.rid] = r.generated
                     if self.tap_drafter is not None:
