@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .tune import BUCKETS, problems_for, tune_problem
+from .tune import problems_for, tune_problem
 
 REPORT_MS = (1, 8, 16, 32, 64)
 
@@ -155,5 +155,3 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
-
-_ = BUCKETS

@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -322,5 +322,3 @@ def heuristic_table(arch: int, targets_path: Path | None = None, bw_gbs: float =
             "fingerprint": {"gpu": None, "arch": arch, "sms": None, "driver": None, "cuda": None, "torch": None,
                             "dflashgen": __version__, "kernel_library": kernel_library_hash()}}
 
-
-_ = asdict
