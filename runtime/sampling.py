@@ -199,6 +199,8 @@ def verify(
     params: Sequence[SamplingParams],
     uniforms: Uniforms,
     draft_probs: torch.Tensor | None = None,
+    *,
+    accept_override: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify ``D`` drafts per request against target logits at ``D + 1`` positions.
 
@@ -207,6 +209,11 @@ def verify(
     ``draft_probs`` q: accept x iff p(x) > 0 and u * q(x) <= p(x); on rejection sample max(p - q, 0)
     (p itself if that has no mass, which only an unnormalised q allows).
     All accepted: a bonus token is sampled from p at position D.
+
+    ``accept_override`` [B, D] bool (BENCHMARK ONLY, "synthetic acceptance"): replaces the sampled
+    rows' accept test (computed anyway, so the cost is unchanged) with the given decisions; greedy
+    rows, the recovered/bonus sampling and everything else are as above. The output then no longer
+    follows the target distribution (an accepted draft may even have p(x) = 0).
     """
     _check(draft_tokens, "draft_tokens", "[B, D]", None, (torch.long,))
     B, D = draft_tokens.shape
@@ -242,6 +249,8 @@ def verify(
     else:
         q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
         ok = (p_x > 0) & (u_acc * q_x <= p_x)  # p(x) > 0: never emit a token the target excludes
+    if accept_override is not None:
+        ok = _check(accept_override, "accept_override", "[B, D]", (B, D), (torch.bool,), dev)
     ok = torch.where(greedy.unsqueeze(-1), draft_tokens == p[:, :D].argmax(-1), ok)
     accepted = ok.long().cumprod(-1).sum(-1) if D else torch.zeros(B, dtype=torch.long, device=dev)
 

@@ -26,6 +26,12 @@ Capacity: a request may hold ``max_len`` tokens (prompt + generated). The verify
 ``D + 1`` positions past ``len(history) - 1``, so the state is allocated with ``max_len + D``
 positions (the overshoot is rolled back). Empty slots ride along in the verify forward as padding
 (their length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+
+Synthetic acceptance (benchmark only): a drafter with ``synthetic_acceptance = True`` (the
+:class:`ReplayDrafter` option) supplies ``accept_decisions(contexts) -> [B, D] bool`` each round, and
+verification uses them instead of the sampled rows' accept test (``verify(..., accept_override=)``);
+all other work (target forward, full-vocab probabilities, recovered/bonus sampling, rollback) is the
+real path. ``Stats.synthetic_acceptance`` / the summary say so.
 """
 
 from __future__ import annotations
@@ -150,32 +156,54 @@ class ReplayDrafter:
     ``cost_model``: called once per round with the contexts (e.g. a block-drafter-shaped forward of
     ``D + 1`` positions per request; :func:`~dflashgen.runtime.drafter.block_drafter_cost` runs a real
     DFlash2 block drafter) so that measured draft time is a real cost; None = free drafts.
+
+    ``synthetic_acceptance`` (BENCHMARK ONLY): under sampled verification a random target accepts a
+    replayed greedy token with its own probability p(x), so the design rate is not realised. With
+    this flag the drafter declares ``synthetic_acceptance = True`` and :class:`SpecDecoder` asks
+    :meth:`accept_decisions` for the accept/reject decision of every sampled row and draft position
+    (the same seeded coins that chose "right" tokens, so P(accept) = ``acceptance`` i.i.d.); the
+    target forward, ``target_probs`` over the full vocab, the recovered/bonus sampling and the
+    rollback run as in the real path, so their cost is real, but the emitted tokens no longer follow
+    the target distribution. Greedy rows are verified as usual (unchanged).
     """
 
     def __init__(self, continuations: Sequence[Sequence[int]], acceptance: float, num_draft: int = 7,
-                 seed: int = 0, cost_model: Callable[[Sequence[RequestContext]], Any] | None = None) -> None:
+                 seed: int = 0, cost_model: Callable[[Sequence[RequestContext]], Any] | None = None,
+                 *, synthetic_acceptance: bool = False) -> None:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
         self.continuations = [list(c) for c in continuations]
         self.acceptance, self.num_draft, self.seed, self.cost_model = acceptance, num_draft, seed, cost_model
+        self.synthetic_acceptance = bool(synthetic_acceptance)
         self.label = f"replay (synthetic acceptance p={acceptance:g})"
+        if self.synthetic_acceptance:
+            self.label += " [SYNTHETIC accept/reject decisions under sampled verification]"
+
+    def coins(self, ctx: RequestContext) -> list[bool]:
+        """Per draft position: "right" (accepted) with probability ``acceptance``; a function of
+        (seed, rid, tokens generated so far) only, so batch composition cannot change it."""
+        rng = random.Random(f"{self.seed}:{ctx.rid}:{ctx.generated}")
+        return [rng.random() < self.acceptance for _ in range(self.num_draft)]
 
     def draft_one(self, ctx: RequestContext) -> list[int]:
         cont, g = self.continuations[ctx.rid], ctx.generated
-        rng = random.Random(f"{self.seed}:{ctx.rid}:{g}")
         out: list[int] = []
-        for i in range(self.num_draft):
+        for i, right in enumerate(self.coins(ctx)):
             true = cont[g + i] if g + i < len(cont) else ctx.tokens[-1]
             # Never id -1 or >= V: any other in-range id is "wrong" under greedy verification.
-            out.append(true if rng.random() < self.acceptance else (true - 1 if true > 0 else 1))
+            out.append(true if right else (true - 1 if true > 0 else 1))
         return out
 
     def propose(self, contexts: Sequence[RequestContext]) -> Tensor:
         if self.cost_model is not None:
             self.cost_model(contexts)
         return torch.tensor([self.draft_one(c) for c in contexts], dtype=torch.long).view(-1, self.num_draft)
+
+    def accept_decisions(self, contexts: Sequence[RequestContext]) -> Tensor:
+        """``[B, D]`` bool: the synthetic accept decisions (``synthetic_acceptance`` mode only)."""
+        return torch.tensor([self.coins(c) for c in contexts], dtype=torch.bool).view(-1, self.num_draft)
 
 
 # --------------------------------------------------------------------------- stats
@@ -187,6 +215,7 @@ class RoundStats:
     accepted: list[int]  # accepted drafts per active request (0..D, before EOS / max-token cuts)
     emitted: int  # tokens appended to outputs (after cuts)
     ms: dict[str, float]  # phase -> milliseconds
+    rids: list[int] = field(default_factory=list)  # request of each ``accepted`` entry
 
 
 @dataclass
@@ -196,6 +225,7 @@ class Stats:
 
     label: str = ""
     num_draft: int = 0
+    synthetic_acceptance: bool = False  # sampled rows' accept/reject decided by the drafter (benchmark only)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_ms: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -206,6 +236,7 @@ class Stats:
         out: dict[str, Any] = {
             "drafter": self.label,
             "num_draft": self.num_draft,
+            "synthetic_acceptance": self.synthetic_acceptance,
             "rounds": len(self.rounds),
             "tokens": emitted,
             "mean_accepted_drafts": statistics.fmean(acc) if acc else 0.0,
@@ -296,8 +327,10 @@ class SpecDecoder:
                              f"num_draft={num_draft} needs {need}")
         self.target, self.drafter, self.state = target, drafter, state
         self.tap_drafter = _tap_drafter(drafter)
+        # Benchmark-only verifier override, used only when the drafter declares it (ReplayDrafter).
+        self.synthetic_acceptance = bool(getattr(drafter, "synthetic_acceptance", False))
         self.max_batch, self.max_len, self.num_draft = max_batch, max_len, num_draft
-        self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft)
+        self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft, self.synthetic_acceptance)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
         # Optional observer (event, request, tokens generated so far): "admit" before a request's
@@ -352,7 +385,7 @@ class SpecDecoder:
         if errors and strict:
             raise ValueError("; ".join(errors.values()))
         self.errors = errors
-        self.stats = Stats(self.stats.label, self.num_draft)
+        self.stats = Stats(self.stats.label, self.num_draft, self.synthetic_acceptance)
         self.slot_log = []
         gen = torch.Generator().manual_seed(seed)  # unseeded requests' uniforms
         st, dev, d = self.state, self.target.device, self.num_draft
@@ -408,6 +441,11 @@ class SpecDecoder:
             if q is not None:  # empty slots: zero q is valid and ignored (they are greedy)
                 q_all = torch.zeros(b, d, q.shape[-1], dtype=q.dtype, device=dev)
                 q_all[idx.to(dev)] = q.to(dev)
+            forced = None
+            if self.synthetic_acceptance:  # benchmark only: the drafter decides sampled rows' accepts
+                forced = torch.zeros(b, d, dtype=torch.bool)
+                forced[idx] = self.drafter.accept_decisions(ctx).to("cpu", torch.bool)  # type: ignore[attr-defined]
+                forced = forced.to(dev)
             draft_dev = draft_all.to(dev)
             tokens = torch.cat([pending.to(dev), draft_dev], dim=1)
             timer.stop("host", t0)
@@ -419,7 +457,7 @@ class SpecDecoder:
             timer.stop("target", t0)
 
             t0 = timer.start("sample")
-            res = verify(draft_dev, logits, row_params, u, q_all)
+            res = verify(draft_dev, logits, row_params, u, q_all, accept_override=forced)
             # Keep the pending token + the accepted drafts; the new token becomes pending.
             keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + res.accepted.cpu(), 0)
             st.rollback((base + keep).to(dev))
@@ -437,12 +475,13 @@ class SpecDecoder:
 
             t0 = timer.start("host")
             acc_l, tok_l = res.accepted.tolist(), res.tokens.tolist()
-            accepted, emitted = [], 0
+            accepted, rids, emitted = [], [], 0
             for s in active:
                 r = slots[s]
                 assert r is not None
                 r.rounds += 1
                 accepted.append(acc_l[s])
+                rids.append(r.rid)
                 for t in tok_l[s][:acc_l[s] + 1]:
                     r.tokens.append(t)
                     emitted += 1
@@ -457,7 +496,7 @@ class SpecDecoder:
                     slots[s] = None
                     st.reset(s)  # frees the slot; the next admission reuses it
             timer.stop("host", t0)
-            self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush()))
+            self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush(), rids))
         self.stats.wall_s = time.perf_counter() - t_start
         return [out.get(i, []) for i in range(len(prompts))]
 

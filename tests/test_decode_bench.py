@@ -121,3 +121,30 @@ def test_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main_decode_bench(["--prompts", "1"]) == 2
     assert "--synthetic" in capsys.readouterr().err
     assert main_demo(["--batch", "9"]) == 2
+
+
+def test_sampled_replay_is_synthetic_by_default(tmp_path: Path, tiny_json: Path) -> None:
+    rc, rep, _ = _bench(tmp_path, tiny_json)  # replay + official sampling: synthetic acceptance mode
+    assert rc == 0
+    assert rep["synthetic_acceptance"] is True and rep["config"]["synthetic_acceptance"] is True
+    md = (tmp_path / "out" / "decode_bench.md").read_text()
+    for text in (rep["header"], md):
+        assert "replay drafter (synthetic acceptance" in text and "SYNTHETIC ACCEPTANCE" in text
+    assert "SYNTHETIC accept/reject decisions" in rep["drafter"]
+    for r in rep["rows"]:
+        assert r["completed"] == P and r["accepted_length"] > 2  # not the ~1.0 of the real sampled path
+        assert r["same_as_b1"] == P  # seeded requests and coins: batch composition changes nothing
+
+
+def test_sampled_replay_real_acceptance_opt_out(tmp_path: Path, tiny_json: Path) -> None:
+    rc, rep, _ = _bench(tmp_path, tiny_json, "--no-synthetic-acceptance", "--no-warmup")
+    assert rc == 0 and rep["synthetic_acceptance"] is False
+    assert "SYNTHETIC" not in rep["header"] and "NOTE: sampled verification" in rep["header"]
+    rc, rep, _ = _bench(tmp_path / "g", tiny_json, "--greedy", "--no-warmup")
+    assert rc == 0 and rep["synthetic_acceptance"] is False and "SYNTHETIC" not in rep["header"]
+
+
+def test_demo_synthetic_label(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_demo(["demo", "--prompts", "2", "--prompt-len", "8", "--output-len", "16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "SYNTHETIC ACCEPTANCE" in out and "SYNTHETIC accept/reject decisions" in out

@@ -278,3 +278,102 @@ def test_quantized_target_runs(tmp_path: Path) -> None:
     ref = [plain_greedy(m, p, 5) for p in PROMPTS[:2]]
     dec = SpecDecoder(m, ReplayDrafter(ref, 1.0), max_batch=2, max_len=MAX_LEN)
     assert dec.generate(PROMPTS[:2], GREEDY, 5) == ref
+
+
+# ------------------------------------------------------------------ synthetic acceptance (benchmark only)
+
+OFFICIAL = SamplingParams(temperature=1.0, top_p=0.95, top_k=20)
+
+
+def _leading_run(coins: list[bool]) -> int:
+    n = 0
+    while n < len(coins) and coins[n]:
+        n += 1
+    return n
+
+
+def _per_request(dec: SpecDecoder) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in dec.stats.rounds:
+        for rid, a in zip(r.rids, r.accepted, strict=True):
+            out.setdefault(rid, []).append(a)
+    return out
+
+
+def test_synthetic_acceptance_matches_design_rate(model: TargetModel) -> None:
+    """Official sampling, a = 0.8109: the accepted length is sum_{i=0..7} a^i = 4.30. Per request-round
+    it is a truncated geometric with sd 2.62, so ~900 request-rounds give a standard error of ~0.09:
+    the 0.3 tolerance is > 3 standard errors (and the seed is fixed). Every decision is also checked
+    exactly against the drafter's seeded coins."""
+    a, n_req, n_new = 0.8109, 96, 40
+    conts = [plain_greedy(model, p, n_new + 7) for p in PROMPTS[:2]]
+    prompts = [PROMPTS[i % 2] for i in range(n_req)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=100 + i) for i in range(n_req)]
+    d = ReplayDrafter([conts[i % 2] for i in range(n_req)], a, seed=5, synthetic_acceptance=True)
+    assert d.synthetic_acceptance and "SYNTHETIC" in d.label
+    dec = SpecDecoder(model, d, max_batch=32, max_len=MAX_LEN)
+    out = dec.generate(prompts, params, n_new, seed=1)
+    assert [len(o) for o in out] == [n_new] * n_req
+    s = dec.stats.summary()
+    assert s["synthetic_acceptance"] is True and "SYNTHETIC" in s["drafter"]
+    acc = [x for r in dec.stats.rounds for x in r.accepted]
+    design = sum(a**i for i in range(8))
+    assert len(acc) >= 800
+    assert abs(s["mean_acceptance_length"] - design) < 0.3, (s["mean_acceptance_length"], design)
+    for rid, seq in _per_request(dec).items():  # exact: accepted = leading run of the request's coins
+        g = 0
+        for x in seq:
+            ctx = RequestContext(rid, (0,) * (1 + g), 1, params[rid])
+            assert x == _leading_run(d.coins(ctx)), (rid, g)
+            g += x + 1
+
+
+def test_synthetic_acceptance_is_batch_independent(model: TargetModel) -> None:
+    n = 6
+    conts = [plain_greedy(model, PROMPTS[1], 27)] * n
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=40 + i) for i in range(n)]
+    res = []
+    for b in (1, 3, 6):
+        dec = SpecDecoder(model, ReplayDrafter(conts, 0.8, seed=3, synthetic_acceptance=True), max_batch=b,
+                          max_len=MAX_LEN)
+        res.append((dec.generate([PROMPTS[1]] * n, params, 20, seed=b), _per_request(dec)))
+    assert res[0] == res[1] == res[2]
+
+
+def test_synthetic_acceptance_leaves_greedy_and_real_sampling_alone(model: TargetModel,
+                                                                    oracle: list[list[int]]) -> None:
+    # Greedy rows: verified as before (lossless, same accepted runs as the plain replay drafter).
+    syn = SpecDecoder(model, _replay(oracle, 0.5, synthetic_acceptance=True), max_batch=4, max_len=MAX_LEN)
+    ref = SpecDecoder(model, _replay(oracle, 0.5), max_batch=4, max_len=MAX_LEN)
+    assert syn.generate(PROMPTS, GREEDY, N_NEW) == ref.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    assert [r.accepted for r in syn.stats.rounds] == [r.accepted for r in ref.stats.rounds]
+    # Without the flag the sampled path is the real one: no override, the target's own test decides.
+    assert ref.synthetic_acceptance is False and ref.stats.summary()["synthetic_acceptance"] is False
+    assert "SYNTHETIC" not in ref.stats.label
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=7 + i) for i in range(2)]
+    out = ref.generate(PROMPTS[:2], params, 12, seed=2)
+    assert [len(x) for x in out] == [12, 12]
+    # ... which on this random target rarely accepts a replayed greedy token (the benchmark's problem).
+    assert ref.stats.summary()["mean_acceptance_length"] < 1.5
+    assert SpecDecoder(model, NgramDrafter(), max_batch=1, max_len=MAX_LEN).synthetic_acceptance is False
+
+
+def test_verify_accept_override() -> None:
+    from dflashgen.runtime.sampling import Uniforms, verify
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 11, generator=g)
+    drafts = torch.randint(0, 11, (3, 3), generator=g)
+    params = [OFFICIAL, GREEDY, OFFICIAL]
+    u = Uniforms.draw(3, 3, g)
+    base = verify(drafts, logits, params, u)
+    same = verify(drafts, logits, params, u, accept_override=None)
+    assert torch.equal(base.tokens, same.tokens)
+    forced = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    r = verify(drafts, logits, params, u, accept_override=forced)
+    assert r.accepted[0] == 2 and r.accepted[2] == 3
+    assert r.accepted[1] == base.accepted[1] and torch.equal(r.tokens[1], base.tokens[1])  # greedy row: real test
+    assert torch.equal(r.tokens[0, :2], drafts[0, :2]) and r.tokens[0, 2] != drafts[0, 2]  # recovered excludes x
+    assert torch.equal(r.tokens[2, :3], drafts[2]) and 0 <= r.tokens[2, 3] < 11  # bonus from p
+    with pytest.raises(TypeError, match="accept_override"):
+        verify(drafts, logits, params, u, accept_override=forced.long())
