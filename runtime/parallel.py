@@ -29,7 +29,7 @@ from dflashgen.model import SUPPORTED_TP, ModelConfig, derive_projections
 from .checkpoint import layer_projections
 from .linear import QuantLinear
 
-__all__ = ["ColumnParallel", "RowParallel", "TPContext", "init_tp", "wrap_projections"]
+__all__ = ["ColumnParallel", "RowParallel", "TPContext", "broadcast_from_first", "init_tp", "wrap_projections"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -236,3 +236,13 @@ def wrap_projections(modules: Mapping[str, nn.Module], cfg: ModelConfig, ctx: TP
             reps = [ctx.world_size * s.n // s1.n for s, s1 in zip(p.segments, full[p.name].segments, strict=True)]
             out[key] = ColumnParallel(module, gather=gather, segments=segs, replicas=reps, group=ctx.group)
     return out
+
+
+def broadcast_from_first(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``t`` as the group's first rank holds it, on every rank (in place when contiguous); a no-op
+    without a process group or in a group of one. Every rank of the group must call it."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    t = t.contiguous()
+    dist.broadcast(t, group=group, group_src=0)
+    return t

@@ -32,6 +32,19 @@ Synthetic acceptance (benchmark only): a drafter with ``synthetic_acceptance = T
 verification uses them instead of the sampled rows' accept test (``verify(..., accept_override=)``);
 all other work (target forward, full-vocab probabilities, recovered/bonus sampling, rollback) is the
 real path. ``Stats.synthetic_acceptance`` / the summary say so.
+
+Tensor parallelism (a target built with a :class:`~.parallel.TPContext`): every rank runs this same
+loop in lockstep -- same prompts, same arguments, same call order -- and each round two small
+broadcasts from the group's first rank make the ranks agree by construction: the draft tokens (before
+the target forward, which every rank must run on the same tokens) and the verify outcome (accepted
+counts + emitted tokens, ``B x (D + 2)`` integers). All control flow after it -- EOS / max-token
+stops, slot release, rollback lengths, admissions -- is a function of broadcast values and of the
+identical per-request bookkeeping, so every rank takes the same branch and issues the same
+collectives (no hang). Why broadcast rather than trust identical inputs: the gathered logits are
+identical on every rank, but a drafter conditioned on the target (``TapDrafter``) sees each rank's own
+hidden states, which the all-reduce does not promise to be bitwise equal across ranks for every NCCL
+algorithm / device, and any sampling-kernel difference would otherwise silently fork the ranks' token
+streams and deadlock the next collective. The cost is one tiny collective each, per round.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .parallel import broadcast_from_first
 from .sampling import SamplingParams, Uniforms, verify
 from .target import DecodeState, TargetModel
 
@@ -326,6 +340,7 @@ class SpecDecoder:
             raise ValueError(f"the decode state holds {state.max_len} positions; max_len={max_len} with "
                              f"num_draft={num_draft} needs {need}")
         self.target, self.drafter, self.state = target, drafter, state
+        self.tp_group = getattr(target, "tp_group", None)  # lockstep broadcasts (module docstring)
         self.tap_drafter = _tap_drafter(drafter)
         # Benchmark-only verifier override, used only when the drafter declares it (ReplayDrafter).
         self.synthetic_acceptance = bool(getattr(drafter, "synthetic_acceptance", False))
@@ -446,7 +461,8 @@ class SpecDecoder:
                 forced = torch.zeros(b, d, dtype=torch.bool)
                 forced[idx] = self.drafter.accept_decisions(ctx).to("cpu", torch.bool)  # type: ignore[attr-defined]
                 forced = forced.to(dev)
-            draft_dev = draft_all.to(dev)
+            # TP: every rank feeds rank 0's drafts to the target (no-op without a process group).
+            draft_dev = broadcast_from_first(draft_all.to(dev), self.tp_group)
             tokens = torch.cat([pending.to(dev), draft_dev], dim=1)
             timer.stop("host", t0)
 
@@ -458,8 +474,11 @@ class SpecDecoder:
 
             t0 = timer.start("sample")
             res = verify(draft_dev, logits, row_params, u, q_all, accept_override=forced)
+            # TP: rank 0's verify outcome decides on every rank (module docstring).
+            outcome = broadcast_from_first(torch.cat([res.accepted[:, None], res.tokens], dim=1), self.tp_group)
+            accepted_t, tokens_t = outcome[:, 0].cpu(), outcome[:, 1:].cpu()
             # Keep the pending token + the accepted drafts; the new token becomes pending.
-            keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + res.accepted.cpu(), 0)
+            keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + accepted_t, 0)
             st.rollback((base + keep).to(dev))
             timer.stop("sample", t0)
 
@@ -474,7 +493,7 @@ class SpecDecoder:
                 timer.stop("draft", t0)
 
             t0 = timer.start("host")
-            acc_l, tok_l = res.accepted.tolist(), res.tokens.tolist()
+            acc_l, tok_l = accepted_t.tolist(), tokens_t.tolist()
             accepted, rids, emitted = [], [], 0
             for s in active:
                 r = slots[s]

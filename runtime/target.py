@@ -15,7 +15,16 @@ Batch invariance: no op reduces across requests; attention runs per request over
 own keys; the GDN recurrence and conv are elementwise across requests. A request's logits can still
 differ from a single-request run by FP32 rounding (not bitwise): the projections run at M = B x T
 rows (CPU and GPU GEMMs round per shape) and right-padded prefill attends over the padded chunk.
-Tensor parallelism is not handled here (tp = 1).
+
+Tensor parallelism (:meth:`TargetModel.from_checkpoint` with ``tp > 1`` and a :class:`~.parallel.TPContext`):
+each rank holds its projection shards (wrapped by :func:`~.parallel.wrap_projections`: column-parallel
+outputs stay local, o_proj / out_proj / down_proj all-reduce, the lm_head's vocab slices are
+all-gathered) and computes exactly its heads: attention query (+ gate) heads ``[r*H/tp, (r+1)*H/tp)``
+and KV heads ``[r*Hkv/tp, ...)`` (head ``r*Hkv//tp`` replicated when Hkv < tp, as the loader reads it);
+GDN key / value heads likewise, with the matching rows of conv1d, ``A_log`` and ``dt_bias``
+(:func:`shard_nonlinear`). Per-head-dim weights (q/k norms, the gated norm), embeddings and the
+RMSNorms are replicated. Every rank returns the same gathered logits; its :class:`DecodeState`
+holds only its heads' KV / GDN state.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ from dflashgen.model import FULL, ModelConfig
 
 from .checkpoint import CheckpointReader, load_model_projections
 from .library import KernelLibrary
+from .parallel import TPContext, wrap_projections
 
-__all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "nonlinear_shapes"]
+__all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
 
 Tensor = torch.Tensor
 _L2_EPS = 1e-6  # as in HF / FLA l2norm
@@ -48,6 +58,56 @@ def _gdn_dims(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
     dk, dv, w = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     assert nk and nv and dk and dv and w, "GDN layers need the linear-attention config keys"
     return nk, nv, dk, dv, w
+
+
+def local_heads(cfg: ModelConfig, tp: int = 1) -> tuple[int, int, int, int]:
+    """(attention query heads, KV heads, GDN key heads, GDN value heads) one rank of ``tp`` holds;
+    KV heads fewer than ``tp`` are replicated (one per rank). Same split as ``derive_projections``."""
+    def split(what: str, n: int) -> int:
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by tp={tp}")
+        return n // tp
+
+    nh = nkv = nk = nv = 0
+    if FULL in cfg.layer_types:
+        nh, kv = split("num_attention_heads", cfg.num_attention_heads), cfg.num_key_value_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(f"num_key_value_heads={kv} cannot split over tp={tp}")
+        nkv = max(1, kv // tp)
+    if any(lt != FULL for lt in cfg.layer_types):
+        knum, vnum, *_ = _gdn_dims(cfg)
+        nk, nv = split("linear_num_key_heads", knum), split("linear_num_value_heads", vnum)
+    return nh, nkv, nk, nv
+
+
+def shard_nonlinear(weights: NonLinearWeights, cfg: ModelConfig, tp: int, rank: int) -> NonLinearWeights:
+    """Rank ``rank``'s part of the non-projection weights, matching the projection shards: GDN conv1d
+    rows of its q, k and v heads, ``A_log`` / ``dt_bias`` of its value heads; the rest replicated."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside 0..{tp - 1}")
+    if tp == 1:
+        return weights
+    _, _, nk_l, nv_l = local_heads(cfg, tp)
+    out = dict(weights.tensors)
+    for i, lt in enumerate(cfg.layer_types):
+        if lt == FULL:
+            continue
+        nk, _, dk, dv, _ = _gdn_dims(cfg)
+        p = f"model.layers.{i}.linear_attn"
+        qk, kn, vn = nk_l * dk, nk * dk, nv_l * dv
+        conv = weights.tensors[f"{p}.conv1d.weight"]
+        out[f"{p}.conv1d.weight"] = torch.cat((conv[rank * qk:(rank + 1) * qk],
+                                               conv[kn + rank * qk:kn + (rank + 1) * qk],
+                                               conv[2 * kn + rank * vn:2 * kn + (rank + 1) * vn])).contiguous()
+        for n in ("A_log", "dt_bias"):
+            out[f"{p}.{n}"] = weights.tensors[f"{p}.{n}"][rank * nv_l:(rank + 1) * nv_l].contiguous()
+    return NonLinearWeights(out, weights.missing)
+
+
+def _inner(m: torch.nn.Module) -> torch.nn.Module:
+    """The shard module under a ColumnParallel / RowParallel wrapper (the module itself if bare)."""
+    inner = getattr(m, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else m
 
 
 def _unit_offset(cfg: ModelConfig) -> bool:
@@ -145,8 +205,10 @@ class DecodeState:
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: torch.dtype = torch.float32, *, tp: int = 1) -> None:
+        """tp: the tensor-parallel degree; the state holds one rank's heads (:func:`local_heads`)."""
         self.batch, self.max_len = batch, max_len
+        _, nkv_l, nk_l, nv_l = local_heads(cfg, tp)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
@@ -154,14 +216,15 @@ class DecodeState:
         self.conv: dict[int, Tensor] = {}
         for i, lt in enumerate(cfg.layer_types):
             if lt == FULL:
-                shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                shape = (batch, max_len, nkv_l, cfg.head_dim)
                 # zeros, not empty: masked keys are multiplied by probability 0, and 0 * NaN = NaN
                 self.k[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
             else:
-                nk, nv, dk, dv, w = _gdn_dims(cfg)
-                self.ssm[i] = torch.zeros(batch, nv, dk, dv, dtype=torch.float32, device=device)
-                self.conv[i] = torch.zeros(batch, 2 * nk * dk + nv * dv, w - 1, dtype=torch.float32, device=device)
+                _, _, dk, dv, w = _gdn_dims(cfg)
+                self.ssm[i] = torch.zeros(batch, nv_l, dk, dv, dtype=torch.float32, device=device)
+                self.conv[i] = torch.zeros(batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
+                                           device=device)
         self._armed = 0  # positions the next forward snapshots (0: keep only the final state)
         self._base: Tensor | None = None  # lengths before the forward whose snapshots are kept
         self._span = 0  # positions of that forward
@@ -229,11 +292,21 @@ class TargetModel(torch.nn.Module):
     to each request and returns FP32 logits ``[B, T, V]``."""
 
     def __init__(self, cfg: ModelConfig, projections: Mapping[str, torch.nn.Module], weights: NonLinearWeights,
-                 *, device: torch.device | str | None = None, act_dtype: torch.dtype | None = None) -> None:
+                 *, device: torch.device | str | None = None, act_dtype: torch.dtype | None = None,
+                 ctx: TPContext | None = None) -> None:
         """device: where the non-projection weights live (default: the lm_head's). act_dtype: the
-        projections' input dtype (default FP16 on CUDA, where the kernels need it, else FP32)."""
+        projections' input dtype (default FP16 on CUDA, where the kernels need it, else FP32).
+        ctx: tensor parallelism (world size > 1): ``projections`` are this rank's wrapped shards,
+        ``weights`` the full non-projection weights (sharded here)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = ctx.world_size if ctx is not None else 1
+        self.rank = ctx.rank if ctx is not None else 0
+        self.tp_group = ctx.group if ctx is not None and self.tp > 1 else None
+        if self.tp > 1 and self.tp_group is None:
+            raise ValueError(f"TP{self.tp} needs a TPContext with a process group (init_tp)")
+        self.heads = local_heads(cfg, self.tp)  # (q heads, KV heads, GDN key heads, GDN value heads) here
+        weights = shard_nonlinear(weights, cfg, self.tp, self.rank)
         lm = projections["lm_head"]
         if device is None:
             device = next(iter([*lm.parameters(), *lm.buffers()])).device
@@ -242,6 +315,7 @@ class TargetModel(torch.nn.Module):
         self.eps = cfg.rms_norm_eps
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
+            m = _inner(m)
             if isinstance(m, torch.nn.Linear) and m.weight.dtype != self.act_dtype:
                 m.to(self.act_dtype)
         self.lm_head = lm
@@ -261,16 +335,33 @@ class TargetModel(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike[str], cfg: ModelConfig, deployment: Deployment, *,
                         library: KernelLibrary | None = None, seed: int = 0,
-                        act_dtype: torch.dtype | None = None) -> TargetModel:
+                        act_dtype: torch.dtype | None = None, tp: int = 1, rank: int = 0,
+                        ctx: TPContext | None = None) -> TargetModel:
         """Projections through the kernel library (or the CPU fallback) + non-projection weights by HF
-        name, drawn from ``seed`` where the checkpoint lacks them."""
-        projections = load_model_projections(directory, cfg, deployment, library=library)
+        name, drawn from ``seed`` where the checkpoint lacks them.
+
+        Tensor parallel: pass ``ctx`` (from :func:`~.parallel.init_tp`; ``tp`` / ``rank`` default to
+        its world size / rank and must agree with it). Each rank reads only its projection shards and
+        wraps them; the non-projection weights are sharded to the same heads."""
+        if ctx is not None:
+            if (tp, rank) != (1, 0) and (tp, rank) != (ctx.world_size, ctx.rank):
+                raise ValueError(f"tp={tp}, rank={rank} disagree with the TPContext "
+                                 f"(world size {ctx.world_size}, rank {ctx.rank})")
+            tp, rank = ctx.world_size, ctx.rank
+        elif tp > 1:
+            raise ValueError(f"tp={tp} needs a TPContext (init_tp) for the collectives")
+        projections = load_model_projections(directory, cfg, deployment, tp, rank, library=library)
         weights = NonLinearWeights.from_checkpoint(directory, cfg, seed)
-        device = library.device if library is not None else "cpu"
+        device: torch.device | str = library.device if library is not None else "cpu"
+        if tp > 1:
+            assert ctx is not None
+            device = ctx.device
+            projections = wrap_projections({k: m.to(device) for k, m in projections.items()}, cfg, ctx)
+            return cls(cfg, projections, weights, device=device, act_dtype=act_dtype, ctx=ctx)
         return cls(cfg, projections, weights, device=device, act_dtype=act_dtype)
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
-        return DecodeState(self.cfg, batch, max_len, self.device)
+        return DecodeState(self.cfg, batch, max_len, self.device, tp=self.tp)
 
     def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
         return mod(x.to(self.act_dtype)).float()
@@ -343,7 +434,7 @@ class TargetModel(torch.nn.Module):
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         gu = self._p(i, "gate_up_proj")
         y = self._lin(gu, x)
-        if not getattr(gu, "silu", False):  # unfused: [gate | up]
+        if not getattr(_inner(gu), "silu", False):  # unfused: [gate | up] (this rank's slices of each)
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         return self._lin(self._p(i, "down_proj"), y)
@@ -356,7 +447,7 @@ class TargetModel(torch.nn.Module):
     def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, n_vis: Tensor,
                    state: DecodeState) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
-        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
         qkv = self._lin(self._p(i, "qkv_proj"), x)
         qg, k, v = qkv.split([nh * d * (2 if cfg.attn_output_gate else 1), nkv * d, nkv * d], dim=-1)
@@ -397,7 +488,8 @@ class TargetModel(torch.nn.Module):
 
     def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
         b, t, _ = x.shape
-        nk, nv, dk, dv, width = _gdn_dims(self.cfg)
+        _, _, dk, dv, width = _gdn_dims(self.cfg)
+        _, _, nk, nv = self.heads  # this rank's key / value heads
         p = f"model.layers.{i}.linear_attn"
         qkvz = self._lin(self._p(i, "in_proj_qkvz"), x)
         c = 2 * nk * dk + nv * dv
