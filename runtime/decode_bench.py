@@ -52,7 +52,7 @@ from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_c
 from .sampling import SamplingParams
 from .spec_decode import Drafter, NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
 from .synthetic import write_synthetic_checkpoint
-from .target import NonLinearWeights, TargetModel
+from .target import NonLinearWeights, TargetModel, dequantized_projections
 
 __all__ = [
     "BATCHES",
@@ -139,13 +139,7 @@ def load_target(directory: str | Path, deployment: str | None = None, *, device:
     if device != "cpu":
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32)
-    projs: dict[str, torch.nn.Module] = {}
-    mods = {f"layers.{i}.{k}": m for i, md in enumerate(q.proj) for k, m in md.items()}
-    for name, m in {**mods, "lm_head": q.lm_head}.items():
-        w = m.dequantize() if hasattr(m, "dequantize") else m.weight.float()
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        lin.weight.data = w.float()
-        projs[name] = lin
+    projs = dequantized_projections(q)
     return TargetModel(cfg, projs, NonLinearWeights.from_checkpoint(path, cfg, seed=seed), device="cpu",
                        act_dtype=torch.float32)
 

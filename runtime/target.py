@@ -287,6 +287,20 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def dequantized_projections(model: TargetModel) -> dict[str, torch.nn.Module]:
+    """Every projection of ``model`` dequantized once into an FP32 ``nn.Linear`` (logical row
+    order, so a fused gate|up takes the unfused SiLU path): the fast, deterministic CPU path (the
+    CPU fallback would dequantize on every call)."""
+    mods = {f"layers.{i}.{k}": m for i, md in enumerate(model.proj) for k, m in md.items()}
+    out: dict[str, torch.nn.Module] = {}
+    for name, m in {**mods, "lm_head": model.lm_head}.items():
+        w = m.dequantize() if hasattr(m, "dequantize") else m.weight.float()
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.float()
+        out[name] = lin
+    return out
+
+
 class TargetModel(torch.nn.Module):
     """Hybrid decoder over loaded projection modules. ``forward(tokens, state)`` appends the tokens
     to each request and returns FP32 logits ``[B, T, V]``."""

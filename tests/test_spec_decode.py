@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.sampling import SamplingParams, target_probs
 from dflashgen.runtime.spec_decode import (
     NgramDrafter,
@@ -18,20 +19,13 @@ from dflashgen.runtime.spec_decode import (
     plain_greedy,
 )
 from dflashgen.runtime.synthetic import write_synthetic_checkpoint
-from dflashgen.runtime.target import NonLinearWeights, TargetModel
+from dflashgen.runtime.target import NonLinearWeights, TargetModel, dequantized_projections
 
 from dflashgen.deployment import load_deployment
 from dflashgen.model import parse_model_config
 
 # Same tiny 4-layer hybrid as tests/test_target.py (GDN, full, GDN, full).
-RAW = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attn_output_gate": True,
-    "partial_rotary_factor": 0.25, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 97,
-}
+RAW = TINY  # the runtime's tiny 4-layer hybrid (GDN, full, GDN, full)
 CFG = parse_model_config(RAW)
 GREEDY = SamplingParams(temperature=0.0)
 MAX_LEN = 48
@@ -54,13 +48,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
     dep = load_deployment("nvfp4")
     write_synthetic_checkpoint(out, CFG, dep, "modelopt", seed=3)
     q = TargetModel.from_checkpoint(Path(out), CFG, dep, seed=5, act_dtype=torch.float32)
-    projs: dict[str, torch.nn.Module] = {}
-    mods = {f"layers.{i}.{k}": m for i, md in enumerate(q.proj) for k, m in md.items()}
-    for name, m in {**mods, "lm_head": q.lm_head}.items():
-        w = m.dequantize() if hasattr(m, "dequantize") else m.weight.float()
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        lin.weight.data = w.float()
-        projs[name] = lin  # gate|up rows in logical order: the unfused SiLU path applies
+    projs = dequantized_projections(q)
     return TargetModel(CFG, projs, NonLinearWeights.from_checkpoint(out, CFG, seed=5), device="cpu",
                        act_dtype=torch.float32)
 

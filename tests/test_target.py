@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.linear import QuantLinear
 from dflashgen.runtime.synthetic import write_synthetic_checkpoint
 from dflashgen.runtime.target import DecodeState, NonLinearWeights, TargetModel, nonlinear_shapes
@@ -16,14 +17,7 @@ from dflashgen.model import FULL, parse_model_config
 from dflashgen.weights import rel_l2
 
 # 4 layers (GDN, full, GDN, full); 2 key / 4 value GDN heads; 4 query / 2 KV heads with the output gate.
-RAW = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attn_output_gate": True,
-    "partial_rotary_factor": 0.25, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 97,
-}
+RAW = TINY  # the runtime's tiny 4-layer hybrid (GDN, full, GDN, full)
 CFG = parse_model_config(RAW)
 MAX_LEN = 64
 VERIFY = 8
