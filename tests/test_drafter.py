@@ -6,18 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import single_thread, tiny_fp32_target
 from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_cost
 from dflashgen.runtime.sampling import SamplingParams
 from dflashgen.runtime.spec_decode import ReplayDrafter, RequestContext, SpecDecoder, TapDrafter, plain_greedy
-from dflashgen.runtime.synthetic import write_synthetic_checkpoint
-from dflashgen.runtime.target import NonLinearWeights, TargetModel, dequantized_projections
+from dflashgen.runtime.target import TargetModel
 
-from dflashgen.deployment import load_deployment
 from dflashgen.model import parse_model_config
 
 RAW = TINY  # the runtime's tiny 4-layer hybrid (GDN, full, GDN, full)
@@ -30,22 +28,14 @@ N_NEW = 12
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
     """The synthetic NVFP4 checkpoint dequantized into FP32 nn.Linear (fast, deterministic on CPU)."""
-    out = tmp_path_factory.mktemp("tiny-hybrid-drafter")
-    dep = load_deployment("nvfp4")
-    write_synthetic_checkpoint(out, CFG, dep, "modelopt", seed=3)
-    q = TargetModel.from_checkpoint(Path(out), CFG, dep, seed=5, act_dtype=torch.float32)
-    projs = dequantized_projections(q)
-    return TargetModel(CFG, projs, NonLinearWeights.from_checkpoint(out, CFG, seed=5), device="cpu",
-                       act_dtype=torch.float32)
+    return tiny_fp32_target(tmp_path_factory.mktemp("tiny-hybrid-drafter"), CFG)
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,14 @@ the ``gpu`` test does the same over NCCL on two GPUs). Run as a script, this fil
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import launch_ranks
 from dflashgen.runtime.checkpoint import layer_projections, load_model_projections
 from dflashgen.runtime.parallel import ColumnParallel, RowParallel, TPContext, init_tp, wrap_projections
 from dflashgen.runtime.synthetic import write_synthetic_checkpoint
@@ -86,39 +84,11 @@ def tp1(ckpt: Path) -> dict[str, torch.nn.Module]:
     return load_model_projections(ckpt, CFG, load_deployment(DEP))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(ckpt: Path, out: Path, backend: str, timeout: float = 90) -> list[dict]:
     """Run TP ranks of this file as subprocesses with torchrun's variables; each rank's result."""
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS and k != "NCCL_NVLS_ENABLE"}
-    env.update(WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = []
-    for r in range(TP):
-        log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen([sys.executable, __file__, str(ckpt), str(out / f"rank{r}.pt"), backend],
-                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    try:
-        for p, _ in procs:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    logs = "\n".join(f"--- rank {r} (rc {p.returncode})\n" + (out / f"rank{r}.log").read_text()[-3000:]
-                     for r, (p, _) in enumerate(procs))
-    if any(p.returncode != 0 for p, _ in procs):
-        pytest.fail(f"TP{TP} {backend} ranks failed:\n{logs}")
+    launch_ranks([__file__, str(ckpt), "{result}", backend], out, TP, timeout,
+                 drop_env=(*ENV_KEYS, "NCCL_NVLS_ENABLE"))
     return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import single_thread, tiny_fp32_target
 from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.sampling import SamplingParams, target_probs
 from dflashgen.runtime.spec_decode import (
@@ -19,7 +20,7 @@ from dflashgen.runtime.spec_decode import (
     plain_greedy,
 )
 from dflashgen.runtime.synthetic import write_synthetic_checkpoint
-from dflashgen.runtime.target import NonLinearWeights, TargetModel, dequantized_projections
+from dflashgen.runtime.target import TargetModel
 
 from dflashgen.deployment import load_deployment
 from dflashgen.model import parse_model_config
@@ -33,24 +34,15 @@ MAX_LEN = 48
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Iterator[None]:
-    # Tiny GEMMs: one thread avoids multi-thread stalls on a shared 2-core box (and is deterministic).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
     """The checkpoint's NVFP4 projections dequantized once into FP32 nn.Linear (the CPU fallback
     would dequantize every call): same weights, FP32 projection inputs, fast and deterministic."""
-    out = tmp_path_factory.mktemp("tiny-hybrid-spec")
-    dep = load_deployment("nvfp4")
-    write_synthetic_checkpoint(out, CFG, dep, "modelopt", seed=3)
-    q = TargetModel.from_checkpoint(Path(out), CFG, dep, seed=5, act_dtype=torch.float32)
-    projs = dequantized_projections(q)
-    return TargetModel(CFG, projs, NonLinearWeights.from_checkpoint(out, CFG, seed=5), device="cpu",
-                       act_dtype=torch.float32)
+    return tiny_fp32_target(tmp_path_factory.mktemp("tiny-hybrid-spec"), CFG)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

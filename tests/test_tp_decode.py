@@ -11,15 +11,12 @@ the ranks are subprocesses with a deadline (a desynchronised collective would ha
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_ranks
 from dflashgen.runtime.parallel import init_tp
 from dflashgen.runtime.sampling import SamplingParams
 from dflashgen.runtime.spec_decode import NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
@@ -139,12 +136,6 @@ def _expected(oracle: list[list[int]], eos: int) -> list[list[int]]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(ckpts: dict[str, Path], oracle: list[list[int]], eos: int,
           tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
@@ -153,31 +144,7 @@ def ranks(ckpts: dict[str, Path], oracle: list[list[int]], eos: int,
     job = out / "job.json"
     job.write_text(json.dumps({"oracle": oracle, "eos": eos}))
     paths = json.dumps({n: str(p) for n, p in ckpts.items()})
-    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
-    env.update(WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = []
-    for r in range(TP):
-        log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen([sys.executable, __file__, paths, str(job), str(out / f"rank{r}.pt")],
-                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + TIMEOUT
-    timed_out = False
-    try:
-        for p, _ in procs:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    logs = "\n".join(f"--- rank {r} (rc {p.returncode})\n" + (out / f"rank{r}.log").read_text()[-3000:]
-                     for r, (p, _) in enumerate(procs))
-    if timed_out or any(p.returncode != 0 for p, _ in procs):
-        pytest.fail(f"TP{TP} ranks {'timed out' if timed_out else 'failed'}:\n{logs}")
+    launch_ranks([__file__, paths, str(job), "{result}"], out, TP, TIMEOUT, drop_env=ENV_KEYS)
     return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
 
 
