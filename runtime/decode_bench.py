@@ -27,14 +27,28 @@ and state rollback run as in the real path, so their cost is real. Such reports 
 ``--no-synthetic-acceptance`` measures real sampled acceptance of the replayed tokens instead.
 Every replay output carries the "replay drafter (synthetic acceptance ...)" label: the acceptance is
 synthetic, not a property of any drafter model.
+
+Tensor parallel: under torchrun (WORLD_SIZE > 1) every rank loads its shard of the target (``--device
+cuda``: the generated kernels on cuda:LOCAL_RANK over NCCL; CPU: gloo, each rank's projection shards
+dequantized once into FP32 ``nn.Linear``), runs the identical benchmark loop in lockstep (the
+SpecDecoder broadcasts rank 0's decisions) and only rank 0 prints and writes the report. A synthetic
+checkpoint is written once (rank 0, before the others load). ``--tp N`` is a convenience that re-launches
+this command as N local ranks through ``python -m torch.distributed.run --standalone`` (the parent
+writes any synthetic checkpoint first); e.g. ``dflashgen decode-bench --synthetic --device cuda --tp 4``.
+The report gains ``tp`` and, per B, ``allreduce_ms_per_round``: a separately measured estimate (median of
+a few repeats, after the run) of one verify forward's row-parallel all-reduces -- as many FP32
+``[B * (D + 1), hidden]`` all-reduces as the target has row-parallel projections; the vocab-parallel
+lm_head gather and prefill are not included (None at TP1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,11 +58,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflashgen.deployment import load_deployment
 from dflashgen.model import ModelConfig, load_model_config, parse_model_config
 
 from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_cost
+from .parallel import RowParallel, TPContext, init_tp
 from .sampling import SamplingParams
 from .spec_decode import Drafter, NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
 from .synthetic import write_synthetic_checkpoint
@@ -122,9 +138,11 @@ def replay_label(a: float, synthetic_decisions: bool = False) -> str:
 
 
 def load_target(directory: str | Path, deployment: str | None = None, *, device: str = "cpu",
-                seed: int = 0) -> TargetModel:
+                seed: int = 0, ctx: TPContext | None = None) -> TargetModel:
     """The checkpoint's target. CPU: projections dequantized once into FP32 ``nn.Linear`` (the CPU
-    fallback would dequantize on every call); CUDA: the generated kernels via a KernelLibrary."""
+    fallback would dequantize on every call); CUDA: the generated kernels via a KernelLibrary.
+    ctx (world size > 1, from :func:`~.parallel.init_tp`): this rank's shard (CUDA: on ``ctx.device``;
+    CPU: the wrapped shards' projections dequantized in place)."""
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -132,16 +150,64 @@ def load_target(directory: str | Path, deployment: str | None = None, *, device:
         raise FileNotFoundError(f"{path} has no config.json")
     cfg = load_model_config(path / "config.json")
     dep = load_deployment(deployment)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if ctx is not None and ctx.world_size > 1:
+        return _load_tp_target(path, cfg, dep, device, seed, ctx)
     if device == "cuda":
         from .library import KernelLibrary
 
         return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(), seed=seed)
-    if device != "cpu":
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
     q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32)
     projs = dequantized_projections(q)
     return TargetModel(cfg, projs, NonLinearWeights.from_checkpoint(path, cfg, seed=seed), device="cpu",
                        act_dtype=torch.float32)
+
+
+def _load_tp_target(path: Path, cfg: ModelConfig, dep: Any, device: str, seed: int,
+                    ctx: TPContext) -> TargetModel:
+    if device == "cuda":
+        if ctx.device.type != "cuda":
+            raise ValueError("--device cuda under tensor parallelism needs the NCCL backend (CUDA visible)")
+        from .library import KernelLibrary
+
+        return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(ctx.device), seed=seed, ctx=ctx)
+    if ctx.device.type != "cpu":
+        raise ValueError("--device cpu under tensor parallelism needs the gloo backend")
+    q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32, ctx=ctx)
+    wrapped = {f"layers.{i}.{k}": m for i, md in enumerate(q.proj) for k, m in md.items()}
+    wrapped["lm_head"] = q.lm_head
+    for m in wrapped.values():  # each rank's shard, dequantized once (logical rows: [gate | up] unfused)
+        w = m.module.dequantize() if hasattr(m.module, "dequantize") else m.module.weight.float()
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.float()
+        m.module = lin
+    return TargetModel(cfg, wrapped, NonLinearWeights.from_checkpoint(path, cfg, seed=seed), device="cpu",
+                       act_dtype=torch.float32, ctx=ctx)
+
+
+def _allreduce_ms(target: TargetModel, tokens: int, repeats: int = 5) -> float | None:
+    """Median time (ms) of one verify forward's row-parallel all-reduces, measured on their own:
+    one FP32 [tokens, hidden] all-reduce per row-parallel projection. None at TP1."""
+    group = getattr(target, "tp_group", None)
+    if group is None:
+        return None
+    n = sum(isinstance(m, RowParallel) for md in target.proj for m in md.values())  # type: ignore[attr-defined]
+    buf = torch.zeros(tokens, target.cfg.hidden_size, device=target.device)
+    cuda = target.device.type == "cuda"
+    times = []
+    for i in range(repeats + 1):  # the first is a warmup
+        dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(buf, group=group)
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def _model_config(spec: str | None, layers: int | None) -> ModelConfig:
@@ -321,6 +387,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         if b == 1:
             b1_outputs = outs
         row["same_as_b1"] = sum(o == r for o, r in zip(outs, b1_outputs, strict=True)) if b1_outputs else None
+        row["allreduce_ms_per_round"] = _allreduce_ms(target, b * (NUM_DRAFT + 1))
         rows.append(row)
         if log:
             log(f"B={b}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
@@ -332,8 +399,10 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     p = cfg.params
     sampling = "greedy" if p.greedy else f"temperature={p.temperature:g} top-p={p.top_p:g} top-k={p.top_k}"
     tc = target.cfg
+    tp = getattr(target, "tp", 1)
+    where = target.device.type + (f" x TP{tp}" if tp > 1 else "")
     header = (f"{label}; target {tc.source} ({tc.num_hidden_layers} layers, vocab {tc.vocab_size}) on "
-              f"{target.device.type}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
+              f"{where}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
               f"output tokens; q{NUM_DRAFT}; {sampling}")
     note = None
     if cfg.synthetic_acceptance:
@@ -352,6 +421,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         "note": note,
         "synthetic_acceptance": cfg.synthetic_acceptance,
         "drafter": label,
+        "tp": tp,
         "command": command,
         "config": {"prompts": cfg.prompts, "prompt_len": cfg.prompt_len, "output_len": cfg.output_len,
                    "batches": list(cfg.batches), "drafter": cfg.drafter,
@@ -359,7 +429,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
                    "synthetic_acceptance": cfg.synthetic_acceptance,
                    "sampling": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k},
                    "seed": cfg.seed, "max_len": max_len, "num_draft": NUM_DRAFT,
-                   "model": tc.source, "layers": tc.num_hidden_layers, "device": target.device.type},
+                   "model": tc.source, "layers": tc.num_hidden_layers, "device": target.device.type,
+                   "tp": tp},
         "rows": rows,
     }
 
@@ -371,6 +442,9 @@ def _fmt(v: float | None, spec: str, unit: str = "") -> str:
 def format_table(report: dict[str, Any]) -> str:
     cols = ["B", "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT", "p50 TPOT", "accepted length",
             "completed", "target fwd", "sampling+state", "draft", "host"]
+    ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
+    if ar:
+        cols.append("all-reduce/round")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in report["rows"]:
         eff = None if r["ideal_efficiency"] is None else 100 * r["ideal_efficiency"]
@@ -378,6 +452,8 @@ def format_table(report: dict[str, Any]) -> str:
                  _fmt(r["p50_ttft_ms"], ".2f", " ms"), _fmt(r["p50_tpot_ms"], ".2f", " ms"),
                  f"{r['accepted_length']:.2f}", f"{r['completed']}/{r['requests']}",
                  *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES)]
+        if ar:
+            cells.append(_fmt(r.get("allreduce_ms_per_round"), ".2f", " ms"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -477,33 +553,92 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: re-launch as N local ranks via torch.distributed.run "
+                        "(NCCL with --device cuda, gloo on CPU); under torchrun WORLD_SIZE decides")
+    p.add_argument("--prepared-checkpoint", default=None, help=argparse.SUPPRESS)  # set by --tp's parent
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _env_world() -> int:
+    raw = os.environ.get("WORLD_SIZE", "")
+    try:
+        return int(raw) if raw else 1
+    except ValueError:
+        return 1
+
+
+def _launch_tp(args: argparse.Namespace, argv: list[str]) -> int:
+    """--tp N outside torchrun: write any synthetic checkpoint once here, then run this command as N
+    local ranks under ``python -m torch.distributed.run --standalone``; its exit status."""
+    with tempfile.TemporaryDirectory(prefix="dflashgen-bench-") as tmp:
+        ckpt = args.checkpoint
+        if args.synthetic:
+            ckpt = ckpt or tmp
+            _log(f"writing a synthetic checkpoint to {ckpt} ...")
+            write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+        elif ckpt is None:
+            raise ValueError("give a checkpoint directory or --synthetic")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.tp}",
+               "-m", "dflashgen.runtime.decode_bench", *argv, "--prepared-checkpoint", str(ckpt)]
+        _log(f"decode-bench: launching {args.tp} ranks: {shlex.join(cmd)}")
+        env = {**os.environ, "DFLASHGEN_BENCH_COMMAND": "dflashgen " + shlex.join(argv)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.run(cmd, env=env, check=False).returncode
+
+
 def _run_bench(args: argparse.Namespace) -> int:
-    argv = getattr(args, "argv", None)
-    command = "dflashgen " + shlex.join(argv if argv is not None else sys.argv[1:])
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    command = os.environ.get("DFLASHGEN_BENCH_COMMAND") or "dflashgen " + shlex.join(argv)
+    world = _env_world()
+    ctx: TPContext | None = None
     try:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
                           not args.no_synthetic_acceptance)
         cfg.validate()  # before any checkpoint work
+        if args.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {args.tp}")
+        if world == 1 and args.tp > 1:
+            return _launch_tp(args, argv)
+        if world > 1 and args.tp not in (1, world):
+            raise ValueError(f"--tp {args.tp} disagrees with WORLD_SIZE={world}")
+        if world > 1:
+            ctx = init_tp("nccl" if args.device == "cuda" else "gloo")
+        rank = ctx.rank if ctx is not None else 0
+        log = _log if rank == 0 else None
         with tempfile.TemporaryDirectory(prefix="dflashgen-bench-") as tmp:
-            ckpt = args.checkpoint
-            if args.synthetic:
+            ckpt = args.prepared_checkpoint or args.checkpoint
+            if args.synthetic and not args.prepared_checkpoint:
                 ckpt = ckpt or tmp
-                _log(f"writing a synthetic checkpoint to {ckpt} ...")
-                write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+                if ctx is not None:  # every rank loads rank 0's copy
+                    box = [ckpt]
+                    dist.broadcast_object_list(box, src=0)
+                    ckpt = box[0]
+                if rank == 0:
+                    _log(f"writing a synthetic checkpoint to {ckpt} ...")
+                    write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+                if ctx is not None:
+                    dist.barrier()  # written before any rank loads
             elif ckpt is None:
                 raise ValueError("give a checkpoint directory or --synthetic")
-            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed)
-        report = run_decode_bench(target, cfg, command=command, log=_log)
+            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed, ctx=ctx)
+            if ctx is not None:
+                dist.barrier()  # every rank loaded before rank 0 removes its temp dir
+        report = run_decode_bench(target, cfg, command=command, log=log)
     except (ValueError, FileNotFoundError) as e:
         print(f"decode-bench: error: {e}", file=sys.stderr)
+        if ctx is not None:
+            ctx.close()
         return 2
+    if ctx is not None:
+        dist.barrier()
+        ctx.close()
+        if ctx.rank != 0:
+            return 0
     print(report["header"])
     print(format_table(report))
     if args.out:
@@ -565,3 +700,7 @@ def main_decode_bench(argv: Sequence[str] | None = None) -> int:
 def main_demo(argv: Sequence[str] | None = None) -> int:
     """``dflashgen demo [...]``; ``argv`` may start with the subcommand name."""
     return _main("demo", _demo_args, _run_demo, argv)
+
+
+if __name__ == "__main__":  # what --tp re-launches under torchrun
+    sys.exit(main_decode_bench())

@@ -148,3 +148,70 @@ def test_demo_synthetic_label(capsys: pytest.CaptureFixture[str]) -> None:
     assert main_demo(["demo", "--prompts", "2", "--prompt-len", "8", "--output-len", "16", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "SYNTHETIC ACCEPTANCE" in out and "SYNTHETIC accept/reject decisions" in out
+
+
+# --------------------------------------------------------------------------- tensor parallel (gloo, CPU)
+
+TP_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TP_TIMEOUT = 90.0
+
+
+@pytest.fixture(scope="module")
+def tp_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The tiny hybrid with a vocab divisible by 2 (mixed deployment: TP2 shards keep whole K groups),
+    and its TP1 greedy report."""
+    d = tmp_path_factory.mktemp("tp1")
+    cfg = d / "tiny96.json"
+    cfg.write_text(json.dumps({**TINY, "vocab_size": 96}))
+    rc, rep, _ = _bench(d, cfg, "--greedy", "--deployment", "mixed")
+    assert rc == 0 and rep["tp"] == 1 and all(r["allreduce_ms_per_round"] is None for r in rep["rows"])
+    return cfg, rep
+
+
+def _tp_args(ckpt: Path, cfg: Path, out: Path) -> list[str]:
+    return ["-m", "dflashgen.runtime.decode_bench", "decode-bench", str(ckpt), "--synthetic", "--model", str(cfg),
+            "--deployment", "mixed", "--prompts", str(P), "--prompt-len", str(L), "--output-len", str(O),
+            "--batches", "1", "2", "--greedy", "--out", str(out)]
+
+
+def _check_tp2(rep: dict[str, Any], tp1: dict[str, Any]) -> None:
+    assert rep["tp"] == 2 and rep["config"]["tp"] == 2 and "TP2" in rep["header"]
+    assert [r["B"] for r in rep["rows"]] == [1, 2]
+    for r, r1 in zip(rep["rows"], tp1["rows"], strict=True):
+        assert r["completed"] == P and r["output_tokens"] == P * O
+        assert r["same_as_b1"] == P
+        assert r["output_0"] == r1["output_0"]  # greedy TP2 generates TP1's tokens
+        assert r["allreduce_ms_per_round"] is not None and r["allreduce_ms_per_round"] > 0
+
+
+def test_tp2_ranks_match_tp1(tmp_path: Path, tp_tiny: tuple[Path, dict[str, Any]]) -> None:
+    """Two torchrun-style ranks (gloo): rank 0 writes the synthetic checkpoint once, both load their
+    shard and decode in lockstep, only rank 0 writes the report; tokens equal TP1's."""
+    from conftest import launch_ranks
+
+    cfg, tp1 = tp_tiny
+    out = tmp_path / "out"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    launch_ranks(_tp_args(tmp_path / "ckpt", cfg, out), logs, 2, TP_TIMEOUT, drop_env=TP_ENV_KEYS)
+    _check_tp2(json.loads((out / "decode_bench.json").read_text()), tp1)
+    assert "| B |" in (logs / "rank0.log").read_text() and "| B |" not in (logs / "rank1.log").read_text()
+
+
+def test_tp_flag_relaunches(tmp_path: Path, tp_tiny: tuple[Path, dict[str, Any]]) -> None:
+    """``--tp 2`` outside torchrun writes the checkpoint in the parent and re-launches 2 gloo ranks."""
+    import os
+    import subprocess
+    import sys
+
+    cfg, tp1 = tp_tiny
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in TP_ENV_KEYS}
+    env["OMP_NUM_THREADS"] = "1"
+    res = subprocess.run([sys.executable, *_tp_args(tmp_path / "ckpt", cfg, out), "--tp", "2"], env=env,
+                         capture_output=True, text=True, timeout=TP_TIMEOUT, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads((out / "decode_bench.json").read_text())
+    _check_tp2(rep, tp1)
+    assert "--tp 2" in rep["command"] and "--prepared-checkpoint" not in rep["command"]
+    assert res.stdout.count("| B |") == 1  # one report, from rank 0
