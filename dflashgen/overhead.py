@@ -34,24 +34,10 @@ def host_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 5) -> float
 
 
 def graph_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        g.replay()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / (5 * calls)
+    """Per-call time of ``calls`` back-to-back calls captured in one CUDA graph."""
+    from .timing import graph_time
+
+    return graph_time(lambda _: fn(), copies=calls, replays=5, repeats=3).us
 
 
 def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
