@@ -24,7 +24,7 @@ from typing import Any
 from filelock import FileLock
 
 from . import __version__
-from .render import generated_dir, load_manifest, template_hash
+from .render import all_entries, generated_dir, load_manifest, template_hash
 from .toolchain import CXX_FLAGS, Plan, ToolchainError, fingerprint, parse_ptxas_log, plan_for
 
 
@@ -155,7 +155,7 @@ def run_ninja(build_dir: Path, jobs: int | None, targets: Iterable[Path], progre
 def select(manifest: dict[str, Any], archs: Iterable[int], only: str | None = None) -> list[dict[str, Any]]:
     archs = set(archs)
     pat = re.compile(only) if only else None
-    return [k for k in manifest["kernels"] if k["arch"] in archs and (pat is None or pat.search(k["name"]))]
+    return [k for k in all_entries(manifest) if k["arch"] in archs and (pat is None or pat.search(k["name"]))]
 
 
 @dataclass

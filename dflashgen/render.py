@@ -1,8 +1,9 @@
 """Render kernel specs into CUDA sources (Jinja2) and keep generated/ in sync.
 
-generated/ layout: ``sm_XX/<kernel name>.cu`` plus ``manifest.json`` (per kernel: projections it
-serves, format, arch, schedule, source hash). Output is byte-for-byte deterministic; files no
-longer produced are deleted; ``check`` reports what differs without writing.
+generated/ layout: ``sm_XX/<kernel name>.cu`` (the skinny GEMMs) and ``<family>/sm_XX/<name>.cu``
+(other kernel families, see ``FAMILY_MODULES``), plus ``manifest.json`` (per kernel: what it
+serves, arch, schedule, source hash). Output is byte-for-byte deterministic; files no longer
+produced are deleted; ``check`` reports what differs without writing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from importlib import resources
+from importlib import import_module, resources
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from .schedule import KernelSpec, candidates
 
 GENERATED_SUFFIXES = (".cu",)
 MANIFEST = "manifest.json"
+# Kernel families beside the skinny GEMMs: family name -> module exposing
+# ``family_kernels() -> list[FamilyKernel]``. Their entries land in manifest["families"][name]
+# and are built by `dflashgen build` like any kernel; verify/tune of the GEMMs never see them.
+FAMILY_MODULES: dict[str, str] = {}
 MMA_NAME = {"sm70": "mma.sync.m8n8k4 / HMMA.884", "sm80": "mma.sync.m16n8k16 / HMMA.16816"}
 
 
@@ -102,6 +107,20 @@ def sha256(text: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class FamilyKernel:
+    """One rendered kernel of a non-GEMM family. ``meta`` is copied into its manifest entry."""
+
+    name: str
+    arch: int
+    source: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def family_kernels(family: str) -> list[FamilyKernel]:
+    return list(import_module(FAMILY_MODULES[family]).family_kernels())
+
+
 @dataclass
 class Plan:
     """What generated/ should contain: relative path -> text."""
@@ -119,11 +138,22 @@ def plan(targets: Iterable[Target]) -> Plan:
         p.files[rel] = src
         p.specs.append(spec)
         kernels.append({**spec.to_dict(), "file": rel, "source_sha256": sha256(src)})
+    families: dict[str, list[dict[str, Any]]] = {}
+    for fam in sorted(FAMILY_MODULES):
+        entries = families.setdefault(fam, [])
+        for fk in sorted(family_kernels(fam), key=lambda f: (f.arch, f.name)):
+            rel = f"{fam}/sm_{fk.arch}/{fk.name}.cu"
+            if rel in p.files:
+                raise ValueError(f"family {fam}: kernel {fk.name} (sm_{fk.arch}) rendered twice")
+            p.files[rel] = fk.source
+            entries.append({**fk.meta, "name": fk.name, "arch": fk.arch, "family": fam, "file": rel,
+                            "source_sha256": sha256(fk.source)})
     manifest = {
         "generated_by": f"dflashgen {__version__}",
         "note": "generated, do not edit: run `dflashgen generate`",
         "template_sha256": template_hash(),
         "kernels": kernels,
+        "families": families,
     }
     p.files[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     return p
@@ -145,7 +175,8 @@ def _template_files() -> list[str]:
 
 
 def _existing(out_dir: Path) -> set[str]:
-    found = {str(p.relative_to(out_dir)) for p in out_dir.glob("sm_*/*") if p.suffix in GENERATED_SUFFIXES}
+    found = {str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.suffix in GENERATED_SUFFIXES
+             and p.relative_to(out_dir).parts[0] != "bin"}
     if (out_dir / MANIFEST).exists():
         found.add(MANIFEST)
     return found
@@ -195,8 +226,8 @@ def write(p: Plan, out_dir: Path) -> Diff:
         f.write_text(p.files[rel])
     for rel in d.stale:
         (out_dir / rel).unlink()
-    for sub in out_dir.glob("sm_*"):
-        if sub.is_dir() and not any(sub.iterdir()):
+    for sub in sorted((d for d in out_dir.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        if not any(sub.iterdir()) and sub.name != "__pycache__":
             sub.rmdir()
     return d
 
@@ -210,3 +241,11 @@ def load_manifest(out_dir: Path | None = None) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"{path} missing: run `dflashgen generate`")
     return json.loads(path.read_text())
+
+
+def all_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every buildable kernel: the GEMMs and each family's."""
+    out = list(manifest["kernels"])
+    for entries in manifest.get("families", {}).values():
+        out += entries
+    return out

@@ -94,9 +94,9 @@ def package_binaries(archs: list[int], out_root: Path, build_dir: Path | None = 
     import shutil
 
     from dflashgen.build import build
-    from dflashgen.render import load_manifest
+    from dflashgen.render import all_entries, load_manifest
 
-    entries = {e["name"]: e for e in load_manifest()["kernels"]}
+    entries = {e["name"]: e for e in all_entries(load_manifest())}
     res = build(archs, build_dir=build_dir, progress=True)
     index: dict[str, Any] = {}
     for name, art in sorted(res.artifacts.items()):

@@ -8,6 +8,7 @@ the fallback (dequantize + cuBLAS), and counts which path each call took (``path
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections import Counter
 from functools import cache, lru_cache
@@ -30,8 +31,10 @@ log = logging.getLogger("dflashgen")
 
 @lru_cache(maxsize=1)
 def kernel_library_hash() -> str:
-    """Identity of the generated kernel set (tables are only valid for the library they timed)."""
-    data = (resources.files("dflashgen.generated") / "manifest.json").read_bytes()
+    """Identity of the generated GEMM set (tables are only valid for the kernels they timed; other
+    kernel families in the manifest do not invalidate them)."""
+    manifest = json.loads((resources.files("dflashgen.generated") / "manifest.json").read_text())
+    data = json.dumps(manifest["kernels"], sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 

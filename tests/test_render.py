@@ -68,3 +68,30 @@ def test_projections_are_deduplicated_with_all_users() -> None:
     shared = [s for s in specs if any("o_proj" in u for u in s.serves)]
     assert shared and all(any("out_proj" in u for u in s.serves) for s in shared)
     assert any(u.endswith("gate_up_proj+silu") for u in users)
+
+
+def family_kernels():  # a stand-in kernel family (see test_kernel_families_are_planned_built_and_pruned)
+    from dflashgen.render import FamilyKernel
+
+    return [FamilyKernel("dfg_toy_sm70_a", 70, "// generated, DO NOT EDIT\nextern \"C\" __global__ void "
+                         "dfg_toy_sm70_a(float* p) { p[0] = 1.0f; }\n", {"rows": 8})]
+
+
+def test_kernel_families_are_planned_built_and_pruned(tmp_path: Path, monkeypatch) -> None:
+    from dflashgen import render
+    from dflashgen.build import select
+
+    monkeypatch.setitem(render.FAMILY_MODULES, "toy", __name__)
+    p = plan(load_targets(SMALL))
+    rel = "toy/sm_70/dfg_toy_sm70_a.cu"
+    manifest = json.loads(p.files["manifest.json"])
+    (entry,) = manifest["families"]["toy"]
+    assert entry["file"] == rel and entry["rows"] == 8 and entry["family"] == "toy"
+    assert rel in p.files and any(k["name"] == "dfg_toy_sm70_a" for k in select(manifest, [70]))
+    assert not any(k["name"] == "dfg_toy_sm70_a" for k in select(manifest, [90]))
+    out = tmp_path / "gen"
+    write(p, out)
+    assert (out / rel).exists()
+    monkeypatch.delitem(render.FAMILY_MODULES, "toy")
+    d = write(plan(load_targets(SMALL)), out)  # the family is gone: its file and folders go too
+    assert rel in d.stale and not (out / "toy").exists()
