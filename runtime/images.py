@@ -108,3 +108,33 @@ def package_binaries(archs: list[int], out_root: Path, build_dir: Path | None = 
                        "ptx": f"sm_{art.arch}/{name}.ptx", "toolchain": res.toolchains[art.arch]}
     (out_root / BIN_INDEX).write_text(json.dumps({"kernels": index}, indent=1, sort_keys=True))
     return len(index)
+
+
+def family_entries(family: str) -> dict[str, dict[str, Any]]:
+    """Manifest entries of a non-GEMM kernel family (see dflashgen.render.FAMILY_MODULES), by name."""
+    from dflashgen.render import load_manifest
+
+    fams = load_manifest().get("families", {})
+    if family not in fams:
+        raise KernelImageError(f"no kernel family {family!r} in the generated manifest "
+                               f"(have: {sorted(fams) or 'none'}): run `dflashgen generate`")
+    return {e["name"]: e for e in fams[family]}
+
+
+_MODULES: dict[tuple[str, int], Any] = {}
+
+
+def load_module(entry: dict[str, Any], device_index: int) -> Any:
+    """The loaded driver module of a manifest entry on a GPU (cubin for its arch, else PTX), cached
+    per (kernel, device). Any family's kernels load this way; torch supplies tensors and streams."""
+    from .driver import Module, ensure_context
+
+    key = (entry["name"], device_index)
+    if key not in _MODULES:
+        import torch
+
+        ensure_context(device_index)
+        major, minor = torch.cuda.get_device_capability(device_index)
+        img = resolve(entry, major * 10 + minor)
+        _MODULES[key] = Module(img.path.read_bytes(), str(img.path))
+    return _MODULES[key]
