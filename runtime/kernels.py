@@ -8,6 +8,7 @@ on torch's current stream, so it is safe under CUDA graph capture.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class GemmKernel:
         self.device = torch.device(device.type, device.index if device.index is not None else 0)
         self.image_path = image_path
         self._fns: tuple[Function, Function | None] | None = None
+        self._last_weight: tuple[weakref.ref[torch.Tensor] | None, ...] | None = None
 
     def _functions(self) -> tuple[Function, Function | None]:
         if self._fns is None:  # loaded on first launch, so validation needs no GPU
@@ -80,6 +82,21 @@ class GemmKernel:
             _fail(f"{self.name}: M={m} outside the supported range 1..{self.max_m}")
         if not isinstance(w, PackedWeight):
             _fail(f"{self.name}: weight must be a PackedWeight from dflashgen.prepack, got {type(w).__name__}")
+        bufs = (w.weights, w.scales, w.col_scale)
+        if self._last_weight is None or not all(
+                (r is None and t is None) or (r is not None and r() is t)
+                for r, t in zip(self._last_weight, bufs, strict=True)):
+            self._validate_weight(w)
+            self._last_weight = tuple(None if t is None else weakref.ref(t) for t in bufs)
+        if out is not None and (out.dtype != torch.float16 or tuple(out.shape) != (m, self.n_out)
+                                or not out.is_contiguous() or out.device != self.device):
+            _fail(f"{self.name}: out must be a contiguous float16 [{m}, {self.n_out}] tensor "
+                  f"on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        return m
+
+    def _validate_weight(self, w: PackedWeight) -> None:
+        # Checked once per weight: a projection passes the same buffers on every call, and these
+        # checks are most of the host cost (the buffers' identity is remembered through weakrefs).
         if w.layout != self.layout:
             _fail(f"{self.name}: weight is packed for {w.layout}, kernel needs {self.layout}")
         tensors = [("weights", w.weights), ("col_scale", w.col_scale)]
@@ -94,11 +111,6 @@ class GemmKernel:
             _fail(f"{self.name}: packed weight buffers must be 16-byte aligned")
         if w.col_scale.dtype != torch.float32 or w.col_scale.numel() != self.n:
             _fail(f"{self.name}: col_scale must be float32 [{self.n}]")
-        if out is not None and (out.dtype != torch.float16 or tuple(out.shape) != (m, self.n_out)
-                                or not out.is_contiguous() or out.device != self.device):
-            _fail(f"{self.name}: out must be a contiguous float16 [{m}, {self.n_out}] tensor "
-                  f"on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        return m
 
     def __call__(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         m = self.validate(x, w, out)
@@ -108,7 +120,7 @@ class GemmKernel:
         ws = None
         if self.split_k > 1:
             ws = torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=x.device)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
+        stream = _current_stream(self.device.index or 0)
         grid = (-(-m // self.rows), self._grid_y, self.split_k)  # row blocks fastest: weights hit L2
         args = [_ptr(x), ctypes.c_int(m), _ptr(w.weights), _ptr(w.scales), _ptr(w.col_scale), _ptr(out),
                 _ptr(ws)]
@@ -118,6 +130,13 @@ class GemmKernel:
             reduce_fn.launch(((total + 255) // 256, 1, 1), (256, 1, 1),
                                   [_ptr(ws), ctypes.c_int(m), _ptr(w.col_scale), _ptr(out)], stream)
         return out
+
+
+def _current_stream(index: int) -> int:
+    """The raw handle of torch's current stream: torch's own fast accessor where it exists (building
+    a torch.cuda.Stream object costs microseconds on every launch)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(raw(index)) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def native_arch(device: torch.device | None = None) -> int:

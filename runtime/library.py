@@ -100,8 +100,8 @@ class KernelLibrary:
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.path_counts: Counter[tuple[str, int, str]] = Counter()
         self._kernels: dict[str, GemmKernel] = {}
-        self.image_sources: dict[str, str] = {}
-        self._choices: dict[tuple[Layout, int], Choice] = {}  # kernel -> "package" | "cache" | "built"
+        self.image_sources: dict[str, str] = {}  # kernel -> "package" | "cache" | "built"
+        self._choices: dict[tuple[Layout, int], tuple[Choice, str]] = {}
         self._entries: dict[str, dict[str, Any]] | None = None
         self.table: TuningTable | None = None
         path = table if isinstance(table, Path) else None
@@ -152,14 +152,16 @@ class KernelLibrary:
         return _layout_key(packed.layout)
 
     def choose(self, packed: PackedWeight, m: int) -> Choice:
-        # memoised per (layout, M): dispatch sits on every projection call's host path
-        memo = self._choices.get((packed.layout, m))
+        return self._dispatch(packed.layout, m)[0]
+
+    def _dispatch(self, layout: Layout, m: int) -> tuple[Choice, str]:
+        # memoised per (layout, M) with the table key: dispatch sits on every call's host path
+        memo = self._choices.get((layout, m))
         if memo is None:
-            if self.table is None:
-                memo = Choice("fallback", None, m, "no tuning table")
-            else:
-                memo = self.table.lookup(self.key(packed), m)
-            self._choices[(packed.layout, m)] = memo
+            key = _layout_key(layout)
+            choice = (Choice("fallback", None, m, "no tuning table") if self.table is None
+                      else self.table.lookup(key, m))
+            memo = self._choices[(layout, m)] = (choice, key)
         return memo
 
     def kernel(self, name: str) -> GemmKernel:
@@ -174,8 +176,8 @@ class KernelLibrary:
 
     def gemm(self, x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        choice = self.choose(packed, m)
-        self.path_counts[(self.key(packed), m, choice.path)] += 1
+        choice, key = self._dispatch(packed.layout, m)
+        self.path_counts[(key, m, choice.path)] += 1
         if choice.path == "kernel" and choice.kernel is not None:
             return self.kernel(choice.kernel)(x, packed, out)
         y = self._fallback(x, packed)

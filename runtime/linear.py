@@ -118,6 +118,7 @@ class QuantLinear(torch.nn.Module):
         # Stored as int32 bits so module.half() / .to(dtype) cannot round the fp32 scales.
         self.register_buffer("col_scale_bits", packed.col_scale.view(torch.int32))
         self._library = library
+        self._packed: tuple[tuple[Any, ...], PackedWeight] | None = None
         self._handle = _register(library, self.layout, self)
 
     @property
@@ -145,7 +146,13 @@ class QuantLinear(torch.nn.Module):
         return self._library
 
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.layout, self.weights, self.scales, self.col_scale)
+        """The module's operands as a PackedWeight; the same object while the buffers are the same
+        (``.to()`` / ``load_state_dict`` replace them), so kernels validate it once."""
+        bufs = (self.weights, self.scales, self.col_scale_bits)
+        cached = self._packed
+        if cached is None or any(a is not b for a, b in zip(cached[0], bufs, strict=True)):
+            cached = self._packed = (bufs, PackedWeight(self.layout, self.weights, self.scales, self.col_scale))
+        return cached[1]
 
     def dequantize(self) -> torch.Tensor:
         """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
@@ -158,7 +165,14 @@ class QuantLinear(torch.nn.Module):
                              f"got {x.dtype} {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
-        y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+        if type(x2) is torch.Tensor and x2.is_cuda and self._library is not None \
+                and not torch.compiler.is_compiling():
+            # Eager fast path: the same launch the op makes, minus the dispatcher round trip (the
+            # largest share of the host cost). torch.compile, export and tensor subclasses (fake
+            # tensors) still see the opaque custom op.
+            y = self._library.gemm(x2, self.packed())
+        else:
+            y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -169,4 +183,5 @@ class QuantLinear(torch.nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy / unpickle: the copy gets its own handle (the original's dies with it).
         super().__setstate__(state)
+        self._packed = None
         self._handle = _register(self._library, self.layout, self)
