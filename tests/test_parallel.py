@@ -32,22 +32,29 @@ RAW = {
 CFG = parse_model_config(RAW)
 DEP = "mixed"  # channel-FP8 attention/GDN, NVFP4 MLP (fused SiLU), FP16 lm_head: all three module kinds
 TP, M, TOL = 2, 6, 1e-3
+# Half of Qwen3.8-27B's heads and MLP width: its TP2 rank shapes are the full model's TP4 rank
+# shapes, so each rank runs the committed, tuned generated kernels (GPU test below).
+HALF = parse_model_config({**RAW, "hidden_size": 5120, "intermediate_size": 8704, "num_attention_heads": 12,
+                           "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 8,
+                           "linear_num_value_heads": 24, "linear_key_head_dim": 128,
+                           "linear_value_head_dim": 128})
+CONFIGS = {"tiny": (CFG, DEP, TOL), "half": (HALF, "nvfp4", 2e-3)}  # kernels vs FP32: FP16-output tolerance
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _inputs() -> dict[str, torch.Tensor]:
+def _inputs(cfg=CFG) -> dict[str, torch.Tensor]:
     """The same FP16 activation per projection in every process: [M, K of the unsharded layer]."""
-    k1 = {p.name: p.k for p in derive_projections(CFG, 1)}
+    k1 = {p.name: p.k for p in derive_projections(cfg, 1)}
     out = {}
-    for key, _, name in layer_projections(CFG):
+    for key, _, name in layer_projections(cfg):
         g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
         out[key] = torch.randn((M, k1[name]), generator=g).to(torch.float16)
     return out
 
 
-def _forward(mods: dict[str, torch.nn.Module], ctx: TPContext) -> dict[str, torch.Tensor]:
+def _forward(mods: dict[str, torch.nn.Module], ctx: TPContext, cfg=CFG) -> dict[str, torch.Tensor]:
     out = {}
-    for key, x in _inputs().items():
+    for key, x in _inputs(cfg).items():
         m = mods[key]
         if isinstance(m, RowParallel):  # a row-parallel layer sees its rank's K slice
             k = m.module.in_features
@@ -56,15 +63,22 @@ def _forward(mods: dict[str, torch.nn.Module], ctx: TPContext) -> dict[str, torc
     return out
 
 
-def _worker(ckpt: str, out: str, backend: str) -> None:
+def _worker(ckpt: str, out: str, backend: str, which: str = "tiny") -> None:
     torch.set_num_threads(1)  # two ranks on two cores
+    cfg, dep, _ = CONFIGS[which]
     ctx = init_tp(backend)
     try:
-        mods = load_model_projections(ckpt, CFG, load_deployment(DEP), ctx.world_size, ctx.rank)
+        lib = None
+        if which == "half":  # the generated kernels through the committed tuning table
+            from dflashgen.runtime.library import KernelLibrary
+
+            lib = KernelLibrary(device=ctx.device)
+        mods = load_model_projections(ckpt, cfg, load_deployment(dep), ctx.world_size, ctx.rank, library=lib)
         mods = {k: m.to(ctx.device) for k, m in mods.items()}
-        wrapped = wrap_projections(mods, CFG, ctx, gather=True)
-        runs = [_forward(wrapped, ctx) for _ in range(2)]
-        torch.save({"runs": runs, "nvls": os.environ.get("NCCL_NVLS_ENABLE")}, out)
+        wrapped = wrap_projections(mods, cfg, ctx, gather=True)
+        runs = [_forward(wrapped, ctx, cfg) for _ in range(2)]
+        paths = {} if lib is None else {f"{k}|{m}|{p}": c for (k, m, p), c in lib.path_counts.items()}
+        torch.save({"runs": runs, "nvls": os.environ.get("NCCL_NVLS_ENABLE"), "paths": paths}, out)
     finally:
         ctx.close()
 
@@ -84,23 +98,25 @@ def tp1(ckpt: Path) -> dict[str, torch.nn.Module]:
     return load_model_projections(ckpt, CFG, load_deployment(DEP))
 
 
-def _launch(ckpt: Path, out: Path, backend: str, timeout: float = 90) -> list[dict]:
+def _launch(ckpt: Path, out: Path, backend: str, which: str = "tiny", timeout: float = 180) -> list[dict]:
     """Run TP ranks of this file as subprocesses with torchrun's variables; each rank's result."""
     out.mkdir()
-    launch_ranks([__file__, str(ckpt), "{result}", backend], out, TP, timeout,
+    launch_ranks([__file__, str(ckpt), "{result}", backend, which], out, TP, timeout,
                  drop_env=(*ENV_KEYS, "NCCL_NVLS_ENABLE"))
     return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
 
 
-def _check_tp(ckpt: Path, tp1: dict[str, torch.nn.Module], tmp: Path, backend: str) -> None:
-    ref = {k: tp1[k](x) for k, x in _inputs().items()}
-    launches = [_launch(ckpt, tmp / f"launch{i}", backend) for i in range(2)]
+def _check_tp(ckpt: Path, tp1: dict[str, torch.nn.Module], tmp: Path, backend: str,
+              which: str = "tiny") -> list[list[dict]]:
+    cfg, _, tol = CONFIGS[which]
+    ref = {k: tp1[k](x) for k, x in _inputs(cfg).items()}
+    launches = [_launch(ckpt, tmp / f"launch{i}", backend, which) for i in range(2)]
     first = launches[0][0]["runs"][0]
     assert set(first) == set(ref)
     for key, want in ref.items():
         got = first[key]
         assert got.shape == want.shape and got.dtype == torch.float16, key
-        assert rel_l2(got, want) < TOL, (key, rel_l2(got, want))
+        assert rel_l2(got, want) < tol, (key, rel_l2(got, want))
     for li, ranks in enumerate(launches):
         for r, res in enumerate(ranks):
             assert res["nvls"] == "0"  # init_tp turned NVLink multicast off
@@ -108,6 +124,7 @@ def _check_tp(ckpt: Path, tp1: dict[str, torch.nn.Module], tmp: Path, backend: s
                 for key, y in run.items():
                     # Bitwise: same across calls, launches and ranks (all outputs are gathered / reduced).
                     assert torch.equal(y, first[key]), f"{key}: launch {li} rank {r} call {ri} differs"
+    return launches
 
 
 def test_tp2_gloo_matches_tp1_bitwise_reproducible(ckpt: Path, tp1: dict[str, torch.nn.Module],
@@ -120,6 +137,19 @@ def test_tp2_gloo_matches_tp1_bitwise_reproducible(ckpt: Path, tp1: dict[str, to
 def test_tp2_nccl_matches_tp1_bitwise_reproducible(ckpt: Path, tp1: dict[str, torch.nn.Module],
                                                    tmp_path: Path) -> None:
     _check_tp(ckpt, tp1, tmp_path, "nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
+def test_tp2_nccl_generated_kernels_match_tp1(tmp_path: Path) -> None:
+    """Each rank dispatches its shards (the full model's TP4 shapes) to the tuned generated kernels."""
+    ckpt = tmp_path / "half"
+    write_synthetic_checkpoint(ckpt, HALF, load_deployment("nvfp4"), "compressed-tensors", seed=5, layers=2)
+    tp1 = load_model_projections(ckpt, HALF, load_deployment("nvfp4"))  # FP32 reference path on the CPU
+    launches = _check_tp(ckpt, tp1, tmp_path, "nccl", "half")
+    for r, res in enumerate(launches[0]):
+        kernel_calls = sum(c for k, c in res["paths"].items() if k.endswith("|kernel"))
+        assert kernel_calls > 0, f"rank {r} never used a generated kernel: {res['paths']}"
 
 
 # --------------------------------------------------------------------------- argument errors
@@ -189,4 +219,4 @@ def test_wrap_projections_checks_shards(tp1: dict[str, torch.nn.Module]) -> None
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    _worker(*sys.argv[1:5])

@@ -2,6 +2,7 @@
 # One GPU session, end to end: install, build what is missing, prove every kernel, run the GPU
 # tests, tune, bench. Run from the repo root on the GPU machine:
 #   OUT=/some/dir bash tools/gpu_session.sh
+# STEPS picks a subset (default: all, in this order): build verify pytest overhead tune bench
 # Carry .build (prebuilt sm_70 PTX from a CUDA 12 machine; CUTLASS header subset in .build/include
 # when the GPU machine has no nvidia-cutlass wheel).
 set -uo pipefail
@@ -14,12 +15,17 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+STEPS=${STEPS:-build verify pytest overhead tune bench}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $((SECONDS - t)) s)"; }
-step dflashgen build --arch 90 -j 16 --no-spills -q 2>&1 | tail -3
-step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee "$OUT/verify.log"
-step python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest-gpu.log"
-step dflashgen overhead 2>&1 | tail -6 | tee "$OUT/overhead.txt"
-TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
-step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
-cp "$TUNE/nvidia-h200.json" "$OUT/"
-step dflashgen bench --table "$OUT/nvidia-h200.json" --out "$OUT/bench" 2>&1 | grep -v "bench:" | tail -24
+want build && step dflashgen build --arch 90 -j 16 --no-spills -q 2>&1 | tail -3
+want verify && step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee "$OUT/verify.log"
+want pytest && step python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tail -25 | tee "$OUT/pytest-gpu.log"
+want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail -8 | tee "$OUT/overhead.txt"
+if want tune; then
+  TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
+  step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
+  cp "$TUNE/nvidia-h200.json" "$OUT/"
+fi
+TABLE=$OUT/nvidia-h200.json; [ -f "$TABLE" ] || TABLE=tuning/nvidia-h200.json
+want bench && step dflashgen bench --table "$TABLE" --out "$OUT/bench" 2>&1 | grep -v "bench:" | tail -24
