@@ -118,7 +118,7 @@ class QuantLinear(torch.nn.Module):
         # Stored as int32 bits so module.half() / .to(dtype) cannot round the fp32 scales.
         self.register_buffer("col_scale_bits", packed.col_scale.view(torch.int32))
         self._library = library
-        self._packed: tuple[tuple[Any, ...], PackedWeight] | None = None
+        self._packed: tuple[Any, Any, Any, PackedWeight] | None = None
         self._handle = _register(library, self.layout, self)
 
     @property
@@ -148,11 +148,12 @@ class QuantLinear(torch.nn.Module):
     def packed(self) -> PackedWeight:
         """The module's operands as a PackedWeight; the same object while the buffers are the same
         (``.to()`` / ``load_state_dict`` replace them), so kernels validate it once."""
-        bufs = (self.weights, self.scales, self.col_scale_bits)
-        cached = self._packed
-        if cached is None or any(a is not b for a, b in zip(cached[0], bufs, strict=True)):
-            cached = self._packed = (bufs, PackedWeight(self.layout, self.weights, self.scales, self.col_scale))
-        return cached[1]
+        b = self._buffers  # direct: nn.Module attribute lookup of buffers is slow on the hot path
+        c = self._packed
+        if c is None or c[0] is not b["weights"] or c[1] is not b["scales"] or c[2] is not b["col_scale_bits"]:
+            pw = PackedWeight(self.layout, b["weights"], b["scales"], b["col_scale_bits"].view(torch.float32))
+            c = self._packed = (b["weights"], b["scales"], b["col_scale_bits"], pw)
+        return c[3]
 
     def dequantize(self) -> torch.Tensor:
         """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
@@ -163,16 +164,16 @@ class QuantLinear(torch.nn.Module):
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
-        if type(x2) is torch.Tensor and x2.is_cuda and self._library is not None \
+        lib = self._library
+        if lib is not None and type(x) is torch.Tensor and x.dim() == 2 and x.is_cuda \
                 and not torch.compiler.is_compiling():
             # Eager fast path: the same launch the op makes, minus the dispatcher round trip (the
             # largest share of the host cost). torch.compile, export and tensor subclasses (fake
             # tensors) still see the opaque custom op.
-            y = self._library.gemm(x2, self.packed())
-        else:
-            y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+            return lib.gemm(x if x.is_contiguous() else x.contiguous(), self.packed())
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
+        y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
