@@ -452,9 +452,11 @@ struct VerifyAttention {
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
       const float* ml = part_ml + (slot0 * ROWS + r) * 2;
       float mx = -DFG_INF;
+#pragma unroll 8  // independent loads in flight: the loop is latency-bound otherwise
       for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS * 2]);
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
       for (int s = 0; s < ns; ++s) {
         const float w = exp2f(ml[s * ROWS * 2] - mx);  // split 0 holds position 0: mx is finite
         den += ml[s * ROWS * 2 + 1] * w;
