@@ -220,3 +220,150 @@ def test_cpu_dispatch_is_the_reference() -> None:
         verify_attention(q, cache, [0, 1], backend="kernel")
     kc = torch.zeros(2, 32, 1, 256, dtype=torch.float16)
     assert dense_verify_attention(q, kc, kc, torch.tensor([9, 20])) is None  # CPU: the caller's reference
+
+
+# --- fragment data flow: the header's shared-memory addressing driven through models of ldmatrix and
+# the MMA fragment layouts (PTX ISA for m16n8k16; CuTe's SM70 TN / TT layouts for m8n8k4) ----------
+
+def _swz(row: int, chunk: int, chunks: int) -> int:
+    return row * chunks + (chunk ^ (row & 7))
+
+
+def _store_tile(x: torch.Tensor) -> torch.Tensor:
+    """A [rows, D] tile as the kernel lays it out: 16-byte chunks swizzled per row (flat halves)."""
+    rows, d = x.shape
+    flat = torch.zeros(rows * d)
+    for r in range(rows):
+        for c in range(d // 8):
+            flat[8 * _swz(r, c, d // 8):8 * _swz(r, c, d // 8) + 8] = x[r, 8 * c:8 * c + 8]
+    return flat
+
+
+def _ldsm(flat: torch.Tensor, addrs: list[int], trans: bool = False) -> list[list[tuple[float, float]]]:
+    """ldmatrix.x4: lane 8m + r gives row r of matrix m (8 halves at addrs[lane]); returns per lane
+    the four 32-bit registers as (lo, hi) pairs."""
+    mats = [torch.stack([flat[addrs[8 * m + r]:addrs[8 * m + r] + 8] for r in range(8)]) for m in range(4)]
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        regs = []
+        for m in mats:
+            mm = m.T if trans else m
+            regs.append((float(mm[g, 2 * t]), float(mm[g, 2 * t + 1])))
+        out.append(regs)
+    return out
+
+
+def _mma16816(a: list, b: list, c: torch.Tensor) -> None:
+    """c [32 lanes, 4] += A (16x16) B (16x8) with A, B rebuilt from the lanes' fragments."""
+    A, B = torch.zeros(16, 16), torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[row, col], A[row, col + 1] = a[lane][reg]
+        for reg, k in enumerate([2 * t, 2 * t + 8]):
+            B[k, g], B[k + 1, g] = b[lane][reg]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        c[lane] += torch.tensor([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+
+
+def test_sm80_fragment_dataflow() -> None:
+    """AttnSm80::qk / pv addressing (transliterated) computes Q K^T and P V exactly."""
+    t_, d, r0 = 32, 64, 16  # D reduced to 64 to keep it quick: the formulas do not depend on D
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randint(-3, 4, s, generator=g).float() for s in ((48, d), (t_, d), (t_, d)))
+    sq, sk, sv = _store_tile(q), _store_tile(k), _store_tile(v)
+    ch = d // 8
+    s = torch.zeros(32, t_ // 8, 4)
+    for kk in range(d // 16):
+        a = _ldsm(sq, [8 * _swz(r0 + (ln & 7) + 8 * ((ln >> 3) & 1), 2 * kk + (ln >> 4), ch) for ln in range(32)])
+        for j in range(t_ // 16):
+            b = _ldsm(sk, [8 * _swz(16 * j + (ln & 7) + 8 * (ln >> 4), 2 * kk + ((ln >> 3) & 1), ch)
+                           for ln in range(32)])
+            _mma16816(a, [x[0:2] for x in b], s[:, 2 * j])
+            _mma16816(a, [x[2:4] for x in b], s[:, 2 * j + 1])
+    got = torch.zeros(16, t_)
+    for ln in range(32):
+        for n in range(t_ // 8):
+            for e in range(4):
+                got[_sm80_acc(ln, n, e)] = s[ln, n, e]
+    assert torch.equal(got, q[r0:r0 + 16] @ k.T)
+    p_ld = t_ + 8
+    p = torch.randint(-3, 4, (16, t_), generator=g).float()
+    sp = torch.zeros(16 * p_ld)
+    for r in range(16):
+        sp[r * p_ld:r * p_ld + t_] = p[r]
+    o = torch.zeros(32, d // 8, 4)
+    for ks in range(t_ // 16):
+        a = _ldsm(sp, [((ln & 7) + 8 * ((ln >> 3) & 1)) * p_ld + 16 * ks + 8 * (ln >> 4) for ln in range(32)])
+        for j in range(d // 16):
+            b = _ldsm(sv, [8 * _swz(16 * ks + (ln & 7) + 8 * ((ln >> 3) & 1), 2 * j + (ln >> 4), ch)
+                           for ln in range(32)], trans=True)
+            _mma16816(a, [x[0:2] for x in b], o[:, 2 * j])
+            _mma16816(a, [x[2:4] for x in b], o[:, 2 * j + 1])
+    got = torch.zeros(16, d)
+    for ln in range(32):
+        for n in range(d // 8):
+            for e in range(4):
+                got[_sm80_acc(ln, n, e)] = o[ln, n, e]
+    assert torch.equal(got, p @ v)
+
+
+def test_sm70_fragment_dataflow() -> None:
+    """AttnSm70::qk / pv addressing with m8n8k4 per quad-pair (CuTe: TN A row i / B column i, 4 K;
+    TT B row k = i % 4, columns 4 (i / 4) ..; SM70_8x8_32b accumulators) computes Q K^T and P V."""
+    t_, d, r0 = 32, 64, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randint(-3, 4, s, generator=g).float() for s in ((48, d), (t_, d), (t_, d)))
+    sq, sk, sv = _store_tile(q), _store_tile(k), _store_tile(v)
+    ch = d // 8
+
+    def ld4(flat: torch.Tensor, row: int, e: int) -> torch.Tensor:
+        base = 8 * _swz(row, e >> 3, ch) + (e & 7)
+        return flat[base:base + 4]
+
+    def lanes(qp: int) -> list[tuple[int, int]]:  # (lane, logical thread i) of quad-pair qp
+        return [(4 * qp + (i & 3) + 16 * (i >> 2), i) for i in range(8)]
+
+    def crow(i: int, e: int) -> int:
+        return (i & 1) + 2 * ((e >> 1) & 1) + 4 * (i >> 2)
+
+    def ccol(i: int, e: int) -> int:
+        return 2 * ((i >> 1) & 1) + (e & 1) + 4 * (e >> 2)
+
+    s = torch.zeros(16, t_)
+    for qp in range(4):
+        rb, tb0 = qp & 1, qp >> 1
+        for j in range(t_ // 16):
+            acc = torch.zeros(8, 8)  # the QP's 8x8 block, via its fragments
+            for kd in range(d // 4):
+                A, B = torch.zeros(8, 4), torch.zeros(4, 8)
+                for _, i in lanes(qp):
+                    A[i] = ld4(sq, r0 + 8 * rb + i, 4 * kd)
+                    B[:, i] = ld4(sk, 8 * (tb0 + 2 * j) + i, 4 * kd)
+                acc += A @ B
+            for _, i in lanes(qp):
+                for e in range(8):
+                    s[8 * rb + crow(i, e), 8 * (tb0 + 2 * j) + ccol(i, e)] = acc[crow(i, e), ccol(i, e)]
+    assert torch.equal(s, q[r0:r0 + 16] @ k.T)
+    p = torch.randint(-3, 4, (16, t_), generator=g).float()
+    o = torch.zeros(16, d)
+    for qp in range(4):
+        rb, db0 = qp & 1, qp >> 1
+        for n in range(d // 16):
+            acc = torch.zeros(8, 8)
+            for kt in range(t_ // 4):
+                A, B = torch.zeros(8, 4), torch.zeros(4, 8)
+                for _, i in lanes(qp):
+                    A[i] = p[8 * rb + i, 4 * kt:4 * kt + 4]
+                    col = 8 * (db0 + 2 * n) + 4 * (i >> 2)
+                    B[i % 4, 4 * (i // 4):4 * (i // 4) + 4] = ld4(sv, 4 * kt + (i & 3), col)
+                acc += A @ B
+            for ln, i in lanes(qp):
+                for e in range(8):
+                    row, col = _sm70_acc(ln, n, e)
+                    assert (row, col) == (8 * rb + crow(i, e), 8 * (db0 + 2 * n) + ccol(i, e))
+                    o[row, col] = acc[crow(i, e), ccol(i, e)]
+    assert torch.equal(o, p @ v)
