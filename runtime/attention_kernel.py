@@ -185,8 +185,8 @@ def check_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         _fail(f"q must be a float tensor, got {q.dtype}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != nb:
         _fail(f"block_tables must be int32 [B={nb}, W], got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        _fail("block_tables rows must be contiguous")
+    if not block_tables.is_contiguous():  # the kernel derives the capacity from the row stride
+        _fail("block_tables must be contiguous")
     if lengths.dtype != torch.int32 or lengths.shape != (nb,) or not lengths.is_contiguous():
         _fail(f"lengths must be a contiguous int32 [B={nb}], got {lengths.dtype} {tuple(lengths.shape)}")
     return nb, nq, hq, d, num_blocks, page, hkv

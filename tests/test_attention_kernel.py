@@ -184,6 +184,7 @@ def _inputs(**over):
     ({"v_pool": torch.zeros(10, 16, 1, 256, dtype=torch.float8_e5m2)}, "differ"),
     ({"k_pool": torch.zeros(10, 16, 256, 1, dtype=torch.float16).transpose(2, 3)}, "contiguous"),
     ({"block_tables": torch.zeros(2, 4, dtype=torch.int64)}, "int32"),
+    ({"block_tables": torch.zeros(2, 8, dtype=torch.int32)[:, :4]}, "block_tables must be contiguous"),
     ({"lengths": torch.zeros(3, dtype=torch.int32)}, "lengths"),
 ])
 def test_structural_errors(over, match) -> None:

@@ -206,3 +206,14 @@ def test_target_dense_cache_path(t) -> None:
         qb = q[r].half().float().view(t, hkv, hq // hkv, d).permute(1, 2, 0, 3)
         ref = TargetModel._attend(qb, kc[r], vc[r], n, n - t)
         torch.testing.assert_close(got[r], ref, rtol=0, atol=1e-2)
+
+
+def test_benchmark_schedules_match_too() -> None:
+    """The non-default schedules `dflashgen attn-bench` races are correct as well."""
+    from dflashgen.runtime.attention_kernel import attention_entries, kernel_arch
+
+    arch = kernel_arch(torch.device("cuda"))
+    extra = [e for e in attention_entries() if e["arch"] == arch and not e["default"]]
+    for e in extra:
+        case = Case([1000, 5000, 1], e["hq"], e["hkv"], torch.float16, e["page"], False, seed=3)
+        case.check(case.run(kernel=e["name"]))
