@@ -3,7 +3,7 @@ through templates/verify_attention.cu.j2 (registered in ``render.FAMILY_MODULES`
 
 Head counts come from the models and TP degrees in schedules/targets.yaml (query heads / TP; KV heads
 / TP, at least 1: a KV head is replicated when there are fewer than ranks). Names encode every
-parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_sp512``.
+parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_sp512``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ class AttnSpec:
     tile: int
     stages: int
     split: int
+    kvg: int = 1  # token groups of warps per CTA (each a tile of every stage)
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
-                f"_t{self.tile}_st{self.stages}_sp{self.split}")
+                f"_t{self.tile}_st{self.stages}_g{self.kvg}_sp{self.split}")
 
     @property
     def rows(self) -> int:
@@ -50,15 +51,15 @@ class AttnSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * (self.rows // 16)
+        return 32 * (self.rows // 16) * self.kvg
 
     @property
     def smem(self) -> int:
         """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM; the template asserts it)."""
-        kv_bytes = 2 if self.kv == "fp16" else 1
-        warps = self.rows // 16
-        return (self.rows * self.d * 2 + self.stages * 2 * self.tile * self.d * kv_bytes
-                + (0 if self.kv == "fp16" else 2 * self.tile * self.d * 2)
+        kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
+        warps = self.rows // 16 * self.kvg
+        return (self.rows * self.d * 2 + self.stages * 2 * tt * self.d * kv_bytes
+                + (0 if self.kv == "fp16" else 2 * tt * self.d * 2)
                 + warps * 16 * (self.tile + 4) * 4 + warps * 16 * (self.tile + 8) * 2 + warps * 16 * 4)
 
     def key(self) -> tuple[int, int, int, int, int, str, int]:
@@ -100,8 +101,9 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
         raise AttnScheduleError(f"{spec.name}: query rows per KV group ({spec.rows}) must be a multiple of 16")
     if spec.d != 256:
         raise AttnScheduleError(f"{spec.name}: the kernel's accumulator layout is written for head_dim 256")
-    if spec.split % spec.tile or spec.tile % 16 or spec.page & (spec.page - 1):
-        raise AttnScheduleError(f"{spec.name}: split % tile, tile % 16 and a power-of-two page are required")
+    if spec.split % (spec.tile * spec.kvg) or spec.tile % 16 or spec.page & (spec.page - 1):
+        raise AttnScheduleError(f"{spec.name}: split % (tile x groups), tile % 16 and a power-of-two page "
+                                "are required")
     if spec.smem > smem_limit:
         raise AttnScheduleError(f"{spec.name}: {spec.smem} B shared memory exceeds sm_{spec.arch}'s {smem_limit}")
 
@@ -122,7 +124,8 @@ def specs() -> list[AttnSpec]:
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
-                                        int(var["stages"]), sp, default, tuple(sorted(users)))
+                                        int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), default=default,
+                                        serves=tuple(sorted(users)))
                         check(spec, int(a["smem_limit"]))
                         out[spec.name] = spec
     return [out[n] for n in sorted(out)]
@@ -134,6 +137,7 @@ def render(spec: AttnSpec) -> str:
         version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.arch, mma=mma_name,
         mma_struct=mma_struct, hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
         kv=spec.kv, kv_enum=KV_ENUM[spec.kv], page=spec.page, tile=spec.tile, stages=spec.stages, split=spec.split,
+        kvg=spec.kvg,
         threads=spec.threads, smem=spec.smem, rows=spec.rows,
     )
 

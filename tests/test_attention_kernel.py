@@ -32,7 +32,7 @@ def test_family_covers_every_target_once() -> None:
             assert s.key() not in defaults, f"two default schedules for {s.key()}"
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
-                     f"t{s.tile}", f"st{s.stages}", f"sp{s.split}"):
+                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"sp{s.split}"):
             assert f"_{part}_" in s.name + "_"
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
             for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
@@ -103,6 +103,21 @@ def test_accumulator_layouts_cover_the_warp_tile_once(acc, ntiles, elems) -> Non
     assert sorted(seen) == [(r, c) for r in range(16) for c in range(256)]
 
 
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def _combine(parts: list, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum, O) of several token ranges combined in order with the kernel's -inf guard."""
+    mx = torch.stack([p[0] for p in parts]).amax(0)
+    base = _finite_or_zero(mx)
+    den, num = torch.zeros(len(mx)), torch.zeros(len(mx), d)
+    for m_s, l_s, o_s in parts:
+        w = torch.exp2(m_s - base)
+        den, num = den + l_s * w, num + o_s * w[:, None]
+    return mx, den, num
+
+
 def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.AttnSpec) -> torch.Tensor:
     """The kernel's arithmetic in float32 torch: FP16 Q, FP16-decoded K/V, scores in log2 units,
     splits of spec.split tokens in tiles of spec.tile, online softmax with the kernel's -inf guards,
@@ -126,34 +141,34 @@ def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.Att
             limit = torch.where(i < nq, n - nq + i, n - 1)
             parts = []
             for lo in range(0, n, spec.split):
-                m = torch.full((len(rows),), -math.inf)
-                ssum, o = torch.zeros(len(rows)), torch.zeros(len(rows), d)
-                for t0 in range(lo, min(lo + spec.split, n), spec.tile):
-                    t1 = min(t0 + spec.tile, n)
-                    s = rows @ k16[t0:t1, kh].T * qk
-                    s = s.masked_fill(torch.arange(t0, t1)[None, :] > limit[:, None], -math.inf)
-                    m_new = torch.maximum(m, s.amax(1))
-                    base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                    alpha, p = torch.exp2(m - base), torch.exp2(s - base[:, None])
-                    ssum = ssum * alpha + p.sum(1)
-                    o = o * alpha[:, None] + p.half().float() @ v16[t0:t1, kh]
-                    m = m_new
-                parts.append((m, ssum, o))
-            mx = torch.stack([p[0] for p in parts]).amax(0)
-            den, num = torch.zeros(len(rows)), torch.zeros(len(rows), d)
-            for m_s, l_s, o_s in parts:
-                w = torch.exp2(m_s - mx)
-                den, num = den + l_s * w, num + o_s * w[:, None]
+                groups = []
+                for grp in range(spec.kvg):  # group g: tile g of every stage of kvg tiles
+                    m = torch.full((len(rows),), -math.inf)
+                    ssum, o = torch.zeros(len(rows)), torch.zeros(len(rows), d)
+                    for t0 in range(lo + grp * spec.tile, min(lo + spec.split, n), spec.tile * spec.kvg):
+                        t1 = min(t0 + spec.tile, n)
+                        s = rows @ k16[t0:t1, kh].T * qk
+                        s = s.masked_fill(torch.arange(t0, t1)[None, :] > limit[:, None], -math.inf)
+                        m_new = torch.maximum(m, s.amax(1))
+                        base = _finite_or_zero(m_new)
+                        alpha, p = torch.exp2(m - base), torch.exp2(s - base[:, None])
+                        ssum = ssum * alpha + p.sum(1)
+                        o = o * alpha[:, None] + p.half().float() @ v16[t0:t1, kh]
+                        m = m_new
+                    groups.append((m, ssum, o))
+                parts.append(_combine(groups, d))
+            m_s, den, num = _combine(parts, d)
             res = num * (float(cache.v_scale) / den)[:, None]
             for h in range(group):
                 out[b, :, kh * group + h] = res[h * spec.qrows:h * spec.qrows + nq]
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype,kvg", [(torch.float16, 1), (torch.float8_e5m2, 1), (torch.float8_e4m3fn, 1),
+                                       (torch.float16, 2)])
 @pytest.mark.parametrize("nq", [8, 3])
-def test_kernel_algorithm_matches_reference(dtype, nq) -> None:
-    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=32, stages=2, split=64)
+def test_kernel_algorithm_matches_reference(dtype, kvg, nq) -> None:
+    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=32, stages=2, split=64 * kvg, kvg=kvg)
     scales = {"k_scale": 0.05, "v_scale": 0.02} if dtype != torch.float16 else {}
     cache = PagedKVCache(128, 4, 1, 256, max_requests=4, max_blocks_per_request=64, dtype=dtype, **scales)
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@
 // (all query heads of the KV group, all verify positions of the request; row r = head r / QROWS,
 // position r % QROWS) are served by one pass over the split's K/V: tiles of TILE tokens are copied
 // into shared memory (cp.async with STAGES in flight on sm_80+, plain copies on sm_70), FP8 tiles
-// are decoded exactly to FP16 there, and each warp owns 16 rows:
+// are decoded exactly to FP16 there, and each warp owns 16 rows of one of KVG token groups:
 //   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
 //   P (FP16) -> smem  ->  O = O * alpha + P V (MMA, FP32).
 // The per-split (max, sum, O) go to a workspace; the merge kernel combines a request's splits in
@@ -230,7 +230,10 @@ struct VerifyAttention {
   using Mma = typename Cfg::Mma;
   static constexpr int GROUP = Cfg::GROUP, QROWS = Cfg::QROWS, HKV = Cfg::HKV, HQ = GROUP * HKV;
   static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
-  static constexpr int ROWS = GROUP * QROWS, WARPS = ROWS / 16, THREADS = 32 * WARPS;
+  // KVG token groups of RWARPS warps each: group g takes tile g of every stage of KVG tiles, with its
+  // own softmax state; the groups' states are combined in group order at the end of the split.
+  static constexpr int KVG = Cfg::KVG, TT = T * KVG;
+  static constexpr int ROWS = GROUP * QROWS, RWARPS = ROWS / 16, WARPS = RWARPS * KVG, THREADS = 32 * WARPS;
   static constexpr bool FP8 = Cfg::KV != KvType::FP16;
   static constexpr int KV_BYTES = FP8 ? 1 : 2;
   static constexpr int CH = D / 8;                   // 16-byte chunks per FP16 row
@@ -239,19 +242,22 @@ struct VerifyAttention {
   static constexpr int NACC = Mma::acc_n(D);
   static constexpr int ACC_E = 128 / NACC;  // elements per accumulator N tile (16 rows x D / 32 lanes)
   static_assert(ROWS % 16 == 0, "query rows per KV group must fill 16-row MMA tiles");
-  static_assert(SPLIT % T == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
+  static_assert(SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
   static_assert(D * 16 / 32 == 128, "accumulator layout assumes D = 256");  // 16 rows x D floats / 32 lanes
 
   // Shared memory (dynamic), in bytes.
   static constexpr int Q_BYTES = ROWS * D * 2;
-  static constexpr int RAW_TILE = T * D * KV_BYTES;               // one of K or V, as stored
+  static constexpr int RAW_TILE = TT * D * KV_BYTES;              // one of K or V of a stage, as stored
   static constexpr int RAW_BYTES = STAGES * 2 * RAW_TILE;
-  static constexpr int CVT_BYTES = FP8 ? 2 * T * D * 2 : 0;       // decoded FP16 K and V
+  static constexpr int CVT_BYTES = FP8 ? 2 * TT * D * 2 : 0;      // decoded FP16 K and V
   static constexpr int S_BYTES = WARPS * 16 * S_LD * 4;
   static constexpr int P_BYTES = WARPS * 16 * P_LD * 2;
   static constexpr int A_BYTES = WARPS * 16 * 4;
   static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES;
+  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle stage buffers.
+  static constexpr int X_FLOATS = (KVG - 1) * RWARPS * 128 * 32 + KVG * ROWS * 2;
+  static_assert(X_FLOATS * 4 <= RAW_BYTES + CVT_BYTES, "group combine buffer exceeds the stage buffers");
 
   __device__ static void copy16(void* dst, const char* src, bool ok) {
     if constexpr (Mma::ASYNC_COPY) {
@@ -271,13 +277,13 @@ struct VerifyAttention {
   // Valid request? (its length covers the query rows and fits the block table)
   __device__ static bool length_ok(int len, int nq, int capacity) { return len >= nq && len <= capacity; }
 
-  // K and V tokens [t0, t0 + T) of this request (zeros past `end`) into stage buffer `raw`.
+  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`.
   __device__ static void load_tile(char* raw, int t0, int end, const int* table, int num_blocks, const char* kb,
                                    const char* vb, long long block_stride, int kh, int* err) {
-    constexpr int N = 2 * T * RAW_CH;
+    constexpr int N = 2 * TT * RAW_CH;
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < N; idx += THREADS) {
-      const int which = idx / (T * RAW_CH), rem = idx % (T * RAW_CH);
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
       const int tok = rem / RAW_CH, c = rem % RAW_CH, pos = t0 + tok;
       bool ok = pos < end;
       long long off = 0;
@@ -296,9 +302,9 @@ struct VerifyAttention {
 
   // FP8 stage -> FP16 K and V tiles (exact).
   __device__ static void decode_tile(const char* raw, __half* cvt) {
-    constexpr int N = 2 * T * RAW_CH;
+    constexpr int N = 2 * TT * RAW_CH;
     for (int idx = threadIdx.x; idx < N; idx += THREADS) {
-      const int which = idx / (T * RAW_CH), rem = idx % (T * RAW_CH);
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
       const int tok = rem / RAW_CH, c = rem % RAW_CH;
       const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
       uint4 lo, hi;
@@ -306,7 +312,7 @@ struct VerifyAttention {
       fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
       fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
       fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
-      __half* dst = cvt + which * T * D;
+      __half* dst = cvt + which * TT * D;
       *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c)) = lo;
       *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c + 1)) = hi;
     }
@@ -326,13 +332,13 @@ struct VerifyAttention {
     }
     const int begin = split * SPLIT;
     if (begin >= len) return;
-    const int end = min(begin + SPLIT, len), tiles = (end - begin + T - 1) / T;
+    const int end = min(begin + SPLIT, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
 
     __half* sq = reinterpret_cast<__half*>(smem);
     char* sraw = smem + Q_BYTES;
     __half* scvt = reinterpret_cast<__half*>(sraw + RAW_BYTES);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = warp / RWARPS, rw = warp % RWARPS;
     float* ss = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES) + warp * 16 * S_LD;
     __half* sp = reinterpret_cast<__half*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES) + warp * 16 * P_LD;
     float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + warp * 16;
@@ -341,7 +347,8 @@ struct VerifyAttention {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < tiles)
-        load_tile(sraw + s * 2 * RAW_TILE, begin + s * T, end, table, num_blocks, kpool, vpool, block_stride, kh, err);
+        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, table, num_blocks, kpool, vpool, block_stride, kh,
+                  err);
       commit();
     }
     for (int idx = threadIdx.x; idx < ROWS * CH; idx += THREADS) {  // Q rows: zeros past nq
@@ -353,7 +360,7 @@ struct VerifyAttention {
 
     // Softmax state: lanes 2r and 2r + 1 both track row r of this warp (tokens split in halves).
     const int srow = lane >> 1, half = lane & 1;
-    const int qi = (16 * warp + srow) % QROWS;
+    const int qi = (16 * rw + srow) % QROWS;
     const int limit = qi < nq ? len - nq + qi : len - 1;  // last visible position of this row
     float m_run = -DFG_INF, l_run = 0.0f;
     float o[NACC][ACC_E];
@@ -364,7 +371,7 @@ struct VerifyAttention {
 
     for (int it = 0; it < tiles; ++it) {
       if (it + STAGES - 1 < tiles)
-        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * T, end, table,
+        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, table,
                   num_blocks, kpool, vpool, block_stride, kh, err);
       commit();
       wait<STAGES - 1>();
@@ -376,12 +383,13 @@ struct VerifyAttention {
         __syncthreads();
         sk = scvt;
       }
-      const __half* sv = sk + T * D;
+      const __half* sv = sk + TT * D + grp * T * D;  // this group's tile (rows keep their swizzle: T % 8 == 0)
+      sk += grp * T * D;
 
-      Mma::template qk<T, D, S_LD>(sq, 16 * warp, sk, qk_scale, ss);
+      Mma::template qk<T, D, S_LD>(sq, 16 * rw, sk, qk_scale, ss);
       __syncwarp();
       {
-        const int t0 = begin + it * T;
+        const int t0 = begin + it * TT + grp * T;
         constexpr int HALF = T / 2;
         float v[HALF];
         float mx = -DFG_INF;
@@ -420,6 +428,8 @@ struct VerifyAttention {
       __syncthreads();  // the stage (and the FP8 decode buffer) is refilled next
     }
     wait<0>();
+    if constexpr (KVG > 1) combine_groups(reinterpret_cast<float*>(sraw), grp, rw, lane, srow, half, m_run, l_run, o);
+    if (grp > 0) return;
 
     // Partial results of this split: unnormalised O, and (max, sum) per row (max in log2 units).
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
@@ -427,12 +437,61 @@ struct VerifyAttention {
 #pragma unroll
     for (int n = 0; n < NACC; ++n)
 #pragma unroll
-      for (int e = 0; e < ACC_E; ++e) po[(16 * warp + Mma::acc_row(n, e)) * D + Mma::acc_col(n, e)] = o[n][e];
+      for (int e = 0; e < ACC_E; ++e) po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(n, e)] = o[n][e];
     if (half == 0) {
-      float* pml = part_ml + (slot * ROWS + 16 * warp + srow) * 2;
+      float* pml = part_ml + (slot * ROWS + 16 * rw + srow) * 2;
       pml[0] = m_run;
       pml[1] = l_run;
     }
+  }
+
+  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (the stage buffers, idle
+  // after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, lane)
+  // holds the same accumulator elements for every g, so O travels by (rw, lane, element).
+  __device__ static void combine_groups(float* x, int grp, int rw, int lane, int srow, int half, float& m_run,
+                                        float& l_run, float (&o)[NACC][ACC_E]) {
+    float* xo = x;                                    // [KVG-1][RWARPS][128][32]
+    float* xml = x + (KVG - 1) * RWARPS * 128 * 32;   // [KVG][ROWS][2]
+    if (grp > 0) {
+      float* dst = xo + ((grp - 1) * RWARPS + rw) * 128 * 32 + lane;
+#pragma unroll
+      for (int n = 0; n < NACC; ++n)
+#pragma unroll
+        for (int e = 0; e < ACC_E; ++e) dst[(n * ACC_E + e) * 32] = o[n][e];
+    }
+    if (half == 0) {
+      xml[(grp * ROWS + 16 * rw + srow) * 2] = m_run;
+      xml[(grp * ROWS + 16 * rw + srow) * 2 + 1] = l_run;
+    }
+    __syncthreads();
+    if (grp > 0) return;
+    // Combined max of row r and each group's weight; a row none of the groups saw stays at -inf.
+    auto weights = [&](int r, float (&w)[KVG]) {
+      float mx = -DFG_INF;
+#pragma unroll
+      for (int g = 0; g < KVG; ++g) mx = fmaxf(mx, xml[(g * ROWS + r) * 2]);
+      const float base = mx == -DFG_INF ? 0.0f : mx;
+#pragma unroll
+      for (int g = 0; g < KVG; ++g) w[g] = exp2f(xml[(g * ROWS + r) * 2] - base);
+      return mx;
+    };
+#pragma unroll
+    for (int n = 0; n < NACC; ++n)
+#pragma unroll
+      for (int e = 0; e < ACC_E; ++e) {
+        float w[KVG];
+        weights(16 * rw + Mma::acc_row(n, e), w);
+        float v = o[n][e] * w[0];
+#pragma unroll
+        for (int g = 1; g < KVG; ++g) v += xo[((g - 1) * RWARPS + rw) * 128 * 32 + (n * ACC_E + e) * 32 + lane] * w[g];
+        o[n][e] = v;
+      }
+    float w[KVG];
+    m_run = weights(16 * rw + srow, w);
+    float l = 0.0f;
+#pragma unroll
+    for (int g = 0; g < KVG; ++g) l += xml[(g * ROWS + 16 * rw + srow) * 2 + 1] * w[g];
+    l_run = l;
   }
 
   // Grid (ROWS, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
