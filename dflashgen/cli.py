@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_synth_parser(sub)  # dflashgen synth-checkpoint: a random checkpoint in either layout
 
+    from dflashgen.attn_bench import add_parser as add_attn_bench
+
+    add_attn_bench(sub)  # dflashgen attn-bench: verify attention kernels vs SDPA (GPU)
+
     from dflashgen.runtime.decode_bench import add_decode_parsers
 
     add_decode_parsers(sub)  # dflashgen decode-bench, dflashgen demo

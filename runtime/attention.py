@@ -15,6 +15,9 @@ the starting bound for kernel-vs-reference checks too (not yet validated against
 FP8 caches store ``x / scale`` rounded to FP8 (saturating at the format's finite max, as kernels
 do, instead of the NaN / inf a plain cast gives) and load ``fp8 * scale`` in FP32, with one FP32
 scale per tensor (K and V separately). An FP16 cache uses the same formula (scale defaults to 1).
+
+:func:`verify_attention` is the entry point: the generated kernel family ("attention",
+``runtime/attention_kernel.py``) on CUDA caches, this reference on the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SPLIT_ATOL", "SPLIT_RTOL", "PagedKVCache", "verify_attention_reference"]
+__all__ = ["SPLIT_ATOL", "SPLIT_RTOL", "PagedKVCache", "verify_attention", "verify_attention_reference"]
 
 CACHE_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -275,3 +278,42 @@ def verify_attention_reference(
             o = _split_attention(qb, k, v, scale, split_tokens)
         out[b] = o.transpose(0, 1)
     return out
+
+
+def verify_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    req_ids: Sequence[int],
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal verify attention of ``q [B, Q, Hq, D]`` over each request's cache -> FP32 ``[B, Q, Hq, D]``.
+
+    ``backend``: "kernel" (the generated kernel; CUDA caches), "reference" (FP32 torch), or "auto":
+    the kernel on CUDA, the reference on the CPU. Inputs are validated either way (head counts,
+    head_dim, Q vs length, page table entries) with clear errors.
+    """
+    if backend not in ("auto", "kernel", "reference"):
+        raise ValueError(f"backend must be auto / kernel / reference, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and not cache.k_pool.is_cuda):
+        return verify_attention_reference(q, cache, req_ids, scale=scale)
+    from .attention_kernel import paged_verify_attention
+
+    req_ids = [cache._check_req(int(r)) for r in req_ids]
+    if q.dim() != 4 or len(req_ids) != q.shape[0]:
+        raise ValueError(f"q must be [B, Q, Hq, D] with one request id per row; got {tuple(q.shape)} "
+                         f"and {len(req_ids)} ids")
+    nq = q.shape[1]
+    for r in req_ids:
+        if nq > cache.length(r):
+            raise ValueError(f"request {r}: Q = {nq} exceeds its cache length {cache.length(r)} "
+                             "(append the new tokens first)")
+        cache._checked_table(r, cache.length(r))
+    dev = cache.k_pool.device
+    idx = torch.tensor(req_ids, dtype=torch.long)
+    tables = cache.block_tables[idx].to(dev, non_blocking=True)
+    lengths = cache.lengths[idx].to(dev, non_blocking=True)
+    return paged_verify_attention(q.to(dev), cache.k_pool, cache.v_pool, tables, lengths,
+                                  k_scale=float(cache.k_scale), v_scale=float(cache.v_scale), scale=scale,
+                                  validate=False)  # checked above, on the host copies

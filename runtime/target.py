@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from dflashgen.deployment import Deployment
 from dflashgen.model import FULL, ModelConfig
 
+from .attention_kernel import dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .library import KernelLibrary
 from .parallel import TPContext, wrap_projections
@@ -375,7 +376,9 @@ class TargetModel(torch.nn.Module):
         return cls(cfg, projections, weights, device=device, act_dtype=act_dtype)
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
-        return DecodeState(self.cfg, batch, max_len, self.device, tp=self.tp)
+        # FP16 KV on a GPU: what the generated verify-attention kernels read (FP32 reference on CPU).
+        kv = torch.float16 if torch.device(self.device).type == "cuda" else torch.float32
+        return DecodeState(self.cfg, batch, max_len, self.device, kv, tp=self.tp)
 
     def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
         return mod(x.to(self.act_dtype)).float()
@@ -477,12 +480,14 @@ class TargetModel(torch.nn.Module):
         rows = torch.arange(b, device=x.device)[:, None]
         kc[rows, pos] = k.to(kc.dtype)
         vc[rows, pos] = v.view(b, t, nkv, d).to(vc.dtype)
-        out = torch.empty(b, t, nh, d, device=x.device)
-        g = nh // nkv
-        for r, (n, p0) in enumerate(zip(n_vis.tolist(), pos[:, 0].tolist(), strict=True)):
-            # Per request over exactly its own keys: batch composition cannot change its math.
-            qb = q[r].view(t, nkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-            out[r] = self._attend(qb, kc[r], vc[r], n, p0)
+        out = dense_verify_attention(q, kc, vc, n_vis)  # the generated kernel (CUDA, FP16/FP8 cache)
+        if out is None:
+            out = torch.empty(b, t, nh, d, device=x.device)
+            g = nh // nkv
+            for r, (n, p0) in enumerate(zip(n_vis.tolist(), pos[:, 0].tolist(), strict=True)):
+                # Per request over exactly its own keys: batch composition cannot change its math.
+                qb = q[r].view(t, nkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+                out[r] = self._attend(qb, kc[r], vc[r], n, p0)
         o = out.reshape(b, t, nh * d)
         if gate is not None:
             o = o * torch.sigmoid(gate)

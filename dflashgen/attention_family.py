@@ -1,0 +1,146 @@
+"""The grouped verification attention kernel family: specs from schedules/attention.yaml, rendered
+through templates/verify_attention.cu.j2 (registered in ``render.FAMILY_MODULES`` as "attention").
+
+Head counts come from the models and TP degrees in schedules/targets.yaml (query heads / TP; KV heads
+/ TP, at least 1: a KV head is replicated when there are fewer than ranks). Names encode every
+parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_sp512``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from . import __version__
+from .render import FamilyKernel, _env, load_targets
+
+FAMILY = "attention"
+KV_DTYPES = ("fp16", "e5m2", "e4m3")
+KV_ENUM = {"fp16": "FP16", "e5m2": "E5M2", "e4m3": "E4M3"}
+MMA = {"m8n8k4": ("AttnSm70", "mma.sync.m8n8k4 / HMMA.884"), "m16n8k16": ("AttnSm80", "mma.sync.m16n8k16 / HMMA.16816")}
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    arch: int
+    hq: int
+    hkv: int
+    d: int
+    qrows: int
+    kv: str
+    page: int
+    tile: int
+    stages: int
+    split: int
+    kvg: int = 1  # token groups of warps per CTA (each a tile of every stage)
+    default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
+    serves: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
+                f"_t{self.tile}_st{self.stages}_g{self.kvg}_sp{self.split}")
+
+    @property
+    def rows(self) -> int:
+        return self.hq // self.hkv * self.qrows
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.rows // 16) * self.kvg
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM; the template asserts it)."""
+        kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
+        warps = self.rows // 16 * self.kvg
+        return (self.rows * self.d * 2 + self.stages * 2 * tt * self.d * kv_bytes
+                + (0 if self.kv == "fp16" else 2 * tt * self.d * 2)
+                + warps * 16 * (self.tile + 4) * 4 + warps * 16 * (self.tile + 8) * 2 + warps * 16 * 4)
+
+    def key(self) -> tuple[int, int, int, int, int, str, int]:
+        """What the runtime dispatches on (everything but the schedule)."""
+        return (self.arch, self.hq, self.hkv, self.d, self.qrows, self.kv, self.page)
+
+    def meta(self) -> dict[str, Any]:
+        m = asdict(self)
+        m["serves"] = list(self.serves)
+        m.update(threads=self.threads, smem=self.smem, rows=self.rows)
+        return m
+
+
+class AttnScheduleError(ValueError):
+    """schedules/attention.yaml asks for an illegal kernel."""
+
+
+@cache
+def load_schedule() -> dict[str, Any]:
+    return dict(yaml.safe_load((resources.files("dflashgen.schedules") / "attention.yaml").read_text()))
+
+
+def target_heads() -> dict[tuple[int, int, int], set[str]]:
+    """(query heads, KV heads, head_dim) per rank -> the "model/tpN" targets needing them."""
+    from .model import load_model_config
+
+    out: dict[tuple[int, int, int], set[str]] = {}
+    for t in load_targets():
+        cfg = load_model_config(t.model)
+        if cfg.num_attention_heads % t.tp:
+            raise AttnScheduleError(f"{t.model}: {cfg.num_attention_heads} query heads do not split over TP{t.tp}")
+        hq, hkv = cfg.num_attention_heads // t.tp, max(1, cfg.num_key_value_heads // t.tp)
+        out.setdefault((hq, hkv, cfg.head_dim), set()).add(f"{t.model}/tp{t.tp}")
+    return out
+
+
+def check(spec: AttnSpec, smem_limit: int) -> None:
+    if spec.hq % spec.hkv or spec.rows % 16:
+        raise AttnScheduleError(f"{spec.name}: query rows per KV group ({spec.rows}) must be a multiple of 16")
+    if spec.d != 256:
+        raise AttnScheduleError(f"{spec.name}: the kernel's accumulator layout is written for head_dim 256")
+    if spec.split % (spec.tile * spec.kvg) or spec.tile % 16 or spec.page & (spec.page - 1):
+        raise AttnScheduleError(f"{spec.name}: split % (tile x groups), tile % 16 and a power-of-two page "
+                                "are required")
+    if spec.smem > smem_limit:
+        raise AttnScheduleError(f"{spec.name}: {spec.smem} B shared memory exceeds sm_{spec.arch}'s {smem_limit}")
+
+
+def specs() -> list[AttnSpec]:
+    sch = load_schedule()
+    out: dict[str, AttnSpec] = {}
+    archs = sorted({t.arch for t in load_targets()})
+    for (hq, hkv, d), users in sorted(target_heads().items()):
+        split = int(sch["split_tokens"][hkv])
+        for arch in archs:
+            a = sch["archs"][arch]
+            variants = [(a["default"], True)] + [(v, False) for v in a.get("extra", [])]
+            for kv in sch["kv_dtypes"]:
+                for page in sch["pages"]:
+                    for var, default in variants:
+                        if not default and (kv != "fp16" or page != 16):
+                            continue
+                        sp = int(var["split"][hkv]) if "split" in var else split
+                        spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
+                                        int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), default=default,
+                                        serves=tuple(sorted(users)))
+                        check(spec, int(a["smem_limit"]))
+                        out[spec.name] = spec
+    return [out[n] for n in sorted(out)]
+
+
+def render(spec: AttnSpec) -> str:
+    mma_struct, mma_name = MMA[load_schedule()["archs"][spec.arch]["mma"]]
+    return _env().get_template("verify_attention.cu.j2").render(
+        version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.arch, mma=mma_name,
+        mma_struct=mma_struct, hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
+        kv=spec.kv, kv_enum=KV_ENUM[spec.kv], page=spec.page, tile=spec.tile, stages=spec.stages, split=spec.split,
+        kvg=spec.kvg,
+        threads=spec.threads, smem=spec.smem, rows=spec.rows,
+    )
+
+
+def family_kernels() -> list[FamilyKernel]:
+    return [FamilyKernel(s.name, s.arch, render(s), s.meta()) for s in specs()]

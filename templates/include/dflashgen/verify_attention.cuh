@@ -1,0 +1,535 @@
+// dflashgen: grouped verification attention over a paged KV cache (speculative decoding verify).
+//
+// One CTA = one (request, KV head, split of SPLIT tokens). Its ROWS = GROUP x QROWS query rows
+// (all query heads of the KV group, all verify positions of the request; row r = head r / QROWS,
+// position r % QROWS) are served by one pass over the split's K/V: tiles of TILE tokens are copied
+// into shared memory (cp.async with STAGES in flight on sm_80+, plain copies on sm_70), FP8 tiles
+// are decoded exactly to FP16 there, and each warp owns 16 rows of one of KVG token groups:
+//   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
+//   P (FP16) -> smem  ->  O = O * alpha + P V (MMA, FP32).
+// The per-split (max, sum, O) go to a workspace; the merge kernel combines a request's splits in
+// ascending split order. Split boundaries are multiples of SPLIT from position 0, so they depend on
+// the request's own length only: a request's output is bitwise the same in any batch.
+// Lengths and block tables are read on the device (CUDA-graph replay with new values works);
+// bad lengths / page ids raise bits in *err and never cause an out-of-bounds read.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cute/arch/mma_sm70.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "decode.cuh"
+
+namespace dflashgen {
+
+enum class KvType : int { FP16 = 0, E5M2 = 1, E4M3 = 2 };
+
+// Error bits written to *err (the runtime reports them).
+constexpr int ATTN_ERR_LENGTH = 1;  // length < query rows or beyond the block table's capacity
+constexpr int ATTN_ERR_PAGE = 2;    // a block table entry outside [0, num_blocks)
+
+constexpr float LOG2E = 1.4426950408889634f;
+// NVRTC has no <cmath>: IEEE infinity and quiet NaN from their bits.
+#define DFG_INF __int_as_float(0x7f800000)
+#define DFG_NAN __int_as_float(0x7fc00000)
+
+// Swizzled 16-byte chunk index in a tile with CHUNKS chunks per row: chunk c of row r lands at
+// c ^ (r & 7), so 8 consecutive rows at one logical chunk hit 8 different bank groups.
+template <int CHUNKS>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * CHUNKS + (chunk ^ (row & 7));
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// ---------------------------------------------------------------------------------------------
+// sm_80 / sm_90: mma.sync.m16n8k16, operands from shared memory through ldmatrix.
+// A warp's 16 rows are one MMA M tile; thread (g = lane / 4, t = lane % 4) holds accumulator rows
+// g and g + 8, columns 2t, 2t + 1 of every 8-wide N tile.
+// ---------------------------------------------------------------------------------------------
+struct AttnSm80 {
+  static constexpr bool ASYNC_COPY = true;
+
+  __device__ static void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+  }
+  __device__ static void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+  }
+  __device__ static void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    cute::SM80_16x8x16_F32F16F16F32_TN::fma(c[0], c[1], c[2], c[3], a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3]);
+  }
+
+  // S[16 x T] = Q[r0 .. r0+15] . K[0 .. T-1]^T over D, times f, stored to s (row stride S_LD floats).
+  // Q and K tiles: FP16 rows of D / 8 swizzled chunks.
+  template <int T, int D, int S_LD>
+  __device__ static void qk(const __half* sq, int r0, const __half* sk, float f, float* s) {
+    constexpr int CH = D / 8;
+    const int lane = threadIdx.x & 31;
+    float c[T / 8][4];
+#pragma unroll
+    for (int n = 0; n < T / 8; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+    const u32 qb = smem_addr(sq), kb = smem_addr(sk);
+    const int qrow = r0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 a0, a1, a2, a3;
+      ldsm_x4(qb + 16 * swz<CH>(qrow, 2 * kk + (lane >> 4)), a0, a1, a2, a3);
+#pragma unroll
+      for (int j = 0; j < T / 16; ++j) {
+        u32 b0, b1, b2, b3;
+        const int tok = 16 * j + (lane & 7) + 8 * (lane >> 4);
+        ldsm_x4(kb + 16 * swz<CH>(tok, 2 * kk + ((lane >> 3) & 1)), b0, b1, b2, b3);
+        mma(c[2 * j], a0, a1, a2, a3, b0, b1);
+        mma(c[2 * j + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < T / 8; ++n) {
+      *reinterpret_cast<float2*>(s + g * S_LD + 8 * n + 2 * t) = make_float2(c[n][0] * f, c[n][1] * f);
+      *reinterpret_cast<float2*>(s + (g + 8) * S_LD + 8 * n + 2 * t) = make_float2(c[n][2] * f, c[n][3] * f);
+    }
+  }
+
+  static constexpr int acc_n(int D) { return D / 8; }  // accumulator N tiles per thread
+  // Row (0..15 in the warp) and column of accumulator element e of N tile n.
+  __device__ static int acc_row(int /*n*/, int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
+  __device__ static int acc_col(int n, int e) { return 8 * n + 2 * (threadIdx.x & 3) + (e & 1); }
+
+  // O[16 x D] = O * alpha[row] + P[16 x T] . V[T x D]; P row-major FP16 (row stride P_LD halves).
+  template <int T, int D, int P_LD>
+  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[D / 8][4]) {
+    constexpr int CH = D / 8;
+    const int lane = threadIdx.x & 31;
+    const float al0 = alpha[lane >> 2], al1 = alpha[(lane >> 2) + 8];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= al0;
+      o[n][1] *= al0;
+      o[n][2] *= al1;
+      o[n][3] *= al1;
+    }
+    const u32 pb = smem_addr(sp), vb = smem_addr(sv);
+    const int prow = (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int ks = 0; ks < T / 16; ++ks) {
+      u32 a0, a1, a2, a3;
+      ldsm_x4(pb + 2 * (prow * P_LD + 16 * ks + 8 * (lane >> 4)), a0, a1, a2, a3);
+      const int tok = 16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        u32 b0, b1, b2, b3;
+        ldsm_x4_t(vb + 16 * swz<CH>(tok, 2 * j + (lane >> 4)), b0, b1, b2, b3);
+        mma(o[2 * j], a0, a1, a2, a3, b0, b1);
+        mma(o[2 * j + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// sm_70: mma.sync.m8n8k4 (CuTe SM70 atoms). The four quad-pairs (QP) of a warp multiply four
+// independent 8x8x4 blocks; logical thread i of a QP = (lane & 3) + 4 * (lane >> 4).
+// Q K^T: .row.col (TN): A = Q row i, 4 consecutive d; B = K token i, 4 consecutive d.
+// P V:   .row.row (TT): A = P row i, 4 consecutive tokens; B = V token (i & 3), d 4 * (i >> 2) .. +3.
+// Accumulator (CuTe SM70_8x8_32b): element e sits at row (i & 1) + 2 ((e >> 1) & 1) + 4 (i >> 2),
+// column 2 ((i >> 1) & 1) + (e & 1) + 4 (e >> 2) of the QP's 8x8 block.
+// QP q takes row block q & 1 of the warp's 16 rows and column blocks (q >> 1) + 2 j.
+// ---------------------------------------------------------------------------------------------
+struct AttnSm70 {
+  static constexpr bool ASYNC_COPY = false;
+
+  __device__ static int qp() { return ((threadIdx.x & 31) >> 2) & 3; }
+  __device__ static int qthread() { return (threadIdx.x & 3) + 4 * ((threadIdx.x & 31) >> 4); }
+  __device__ static int c_row(int e) { const int i = qthread(); return (i & 1) + 2 * ((e >> 1) & 1) + 4 * (i >> 2); }
+  __device__ static int c_col(int e) { return 2 * ((qthread() >> 1) & 1) + (e & 1) + 4 * (e >> 2); }
+
+  // 4 consecutive FP16 (8 bytes) at element e of row `row` in a swizzled FP16 tile.
+  template <int CH>
+  __device__ static uint2 ld4(const __half* tile, int row, int e) {
+    return *reinterpret_cast<const uint2*>(tile + 8 * swz<CH>(row, e >> 3) + (e & 7));
+  }
+
+  template <int T, int D, int S_LD>
+  __device__ static void qk(const __half* sq, int r0, const __half* sk, float f, float* s) {
+    constexpr int CH = D / 8, NB = T / 16;  // token blocks per QP
+    const int i = qthread(), rb = qp() & 1, tb0 = qp() >> 1;
+    float c[NB][8];
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) c[j][e] = 0.0f;
+#pragma unroll 8
+    for (int kd = 0; kd < D / 4; ++kd) {
+      const uint2 a = ld4<CH>(sq, r0 + 8 * rb + i, 4 * kd);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const uint2 b = ld4<CH>(sk, 8 * (tb0 + 2 * j) + i, 4 * kd);
+        cute::SM70_8x8x4_F32F16F16F32_TN::fma(c[j][0], c[j][1], c[j][2], c[j][3], c[j][4], c[j][5], c[j][6], c[j][7],
+                                              a.x, a.y, b.x, b.y, c[j][0], c[j][1], c[j][2], c[j][3], c[j][4],
+                                              c[j][5], c[j][6], c[j][7]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[(8 * rb + c_row(e)) * S_LD + 8 * (tb0 + 2 * j) + c_col(e)] = c[j][e] * f;
+  }
+
+  static constexpr int acc_n(int D) { return D / 16; }
+  __device__ static int acc_row(int /*n*/, int e) { return 8 * (qp() & 1) + c_row(e); }
+  __device__ static int acc_col(int n, int e) { return 8 * ((qp() >> 1) + 2 * n) + c_col(e); }
+
+  template <int T, int D, int P_LD>
+  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[D / 16][8]) {
+    constexpr int CH = D / 8;
+    const int i = qthread(), rb = qp() & 1, db0 = qp() >> 1;
+    float al[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) al[e] = alpha[8 * rb + c_row(e)];
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[n][e] *= al[e];
+#pragma unroll 2
+    for (int kt = 0; kt < T / 4; ++kt) {
+      const uint2 a = *reinterpret_cast<const uint2*>(sp + (8 * rb + i) * P_LD + 4 * kt);
+      const int tok = 4 * kt + (i & 3);
+#pragma unroll
+      for (int n = 0; n < D / 16; ++n) {
+        const uint2 b = ld4<CH>(sv, tok, 8 * (db0 + 2 * n) + 4 * (i >> 2));
+        cute::SM70_8x8x4_F32F16F16F32_TT::fma(o[n][0], o[n][1], o[n][2], o[n][3], o[n][4], o[n][5], o[n][6], o[n][7],
+                                              a.x, a.y, b.x, b.y, o[n][0], o[n][1], o[n][2], o[n][3], o[n][4],
+                                              o[n][5], o[n][6], o[n][7]);
+      }
+    }
+  }
+};
+
+// Four FP8 bytes -> two half2 (exact). E5M2 is the top byte of an FP16; E4M3 gives value * 2^-8
+// (decode.cuh), the 2^8 is folded into the per-tensor scale by the runtime.
+template <KvType KV>
+__device__ __forceinline__ void fp8x4_to_half(u32 w, u32& lo, u32& hi) {
+  if constexpr (KV == KvType::E4M3) {
+    lo = e4m3x2<false>(w);
+    hi = e4m3x2<true>(w);
+  } else {
+    lo = __byte_perm(w, 0u, 0x1404u);
+    hi = __byte_perm(w, 0u, 0x3424u);
+  }
+}
+
+template <class Cfg>
+struct VerifyAttention {
+  using Mma = typename Cfg::Mma;
+  static constexpr int GROUP = Cfg::GROUP, QROWS = Cfg::QROWS, HKV = Cfg::HKV, HQ = GROUP * HKV;
+  static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
+  // KVG token groups of RWARPS warps each: group g takes tile g of every stage of KVG tiles, with its
+  // own softmax state; the groups' states are combined in group order at the end of the split.
+  static constexpr int KVG = Cfg::KVG, TT = T * KVG;
+  static constexpr int ROWS = GROUP * QROWS, RWARPS = ROWS / 16, WARPS = RWARPS * KVG, THREADS = 32 * WARPS;
+  static constexpr bool FP8 = Cfg::KV != KvType::FP16;
+  static constexpr int KV_BYTES = FP8 ? 1 : 2;
+  static constexpr int CH = D / 8;                   // 16-byte chunks per FP16 row
+  static constexpr int RAW_CH = D * KV_BYTES / 16;   // 16-byte chunks per stored row
+  static constexpr int S_LD = T + 4, P_LD = T + 8;  // padded rows: conflict-free softmax / ldmatrix
+  static constexpr int NACC = Mma::acc_n(D);
+  static constexpr int ACC_E = 128 / NACC;  // elements per accumulator N tile (16 rows x D / 32 lanes)
+  static_assert(ROWS % 16 == 0, "query rows per KV group must fill 16-row MMA tiles");
+  static_assert(SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
+  static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
+  static_assert(D * 16 / 32 == 128, "accumulator layout assumes D = 256");  // 16 rows x D floats / 32 lanes
+
+  // Shared memory (dynamic), in bytes.
+  static constexpr int Q_BYTES = ROWS * D * 2;
+  static constexpr int RAW_TILE = TT * D * KV_BYTES;              // one of K or V of a stage, as stored
+  static constexpr int RAW_BYTES = STAGES * 2 * RAW_TILE;
+  static constexpr int CVT_BYTES = FP8 ? 2 * TT * D * 2 : 0;      // decoded FP16 K and V
+  static constexpr int S_BYTES = WARPS * 16 * S_LD * 4;
+  static constexpr int P_BYTES = WARPS * 16 * P_LD * 2;
+  static constexpr int A_BYTES = WARPS * 16 * 4;
+  static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES;
+  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle stage buffers.
+  static constexpr int X_FLOATS = (KVG - 1) * RWARPS * 128 * 32 + KVG * ROWS * 2;
+  static_assert(X_FLOATS * 4 <= RAW_BYTES + CVT_BYTES, "group combine buffer exceeds the stage buffers");
+
+  __device__ static void copy16(void* dst, const char* src, bool ok) {
+    if constexpr (Mma::ASYNC_COPY) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+    } else {
+      *reinterpret_cast<uint4*>(dst) = ok ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  __device__ static void commit() {
+    if constexpr (Mma::ASYNC_COPY) asm volatile("cp.async.commit_group;");
+  }
+  template <int N>
+  __device__ static void wait() {
+    if constexpr (Mma::ASYNC_COPY) asm volatile("cp.async.wait_group %0;" ::"n"(N));
+  }
+
+  // Valid request? (its length covers the query rows and fits the block table)
+  __device__ static bool length_ok(int len, int nq, int capacity) { return len >= nq && len <= capacity; }
+
+  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`.
+  __device__ static void load_tile(char* raw, int t0, int end, const int* table, int num_blocks, const char* kb,
+                                   const char* vb, long long block_stride, int kh, int* err) {
+    constexpr int N = 2 * TT * RAW_CH;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < N; idx += THREADS) {
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
+      const int tok = rem / RAW_CH, c = rem % RAW_CH, pos = t0 + tok;
+      bool ok = pos < end;
+      long long off = 0;
+      if (ok) {
+        const int blk = __ldg(table + pos / PAGE);
+        if (blk < 0 || blk >= num_blocks) {
+          atomicOr(err, ATTN_ERR_PAGE);
+          ok = false;
+        } else {
+          off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c;
+        }
+      }
+      copy16(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c), (which ? vb : kb) + off, ok);
+    }
+  }
+
+  // FP8 stage -> FP16 K and V tiles (exact).
+  __device__ static void decode_tile(const char* raw, __half* cvt) {
+    constexpr int N = 2 * TT * RAW_CH;
+    for (int idx = threadIdx.x; idx < N; idx += THREADS) {
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
+      const int tok = rem / RAW_CH, c = rem % RAW_CH;
+      const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
+      uint4 lo, hi;
+      fp8x4_to_half<Cfg::KV>(w.x, lo.x, lo.y);
+      fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
+      fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
+      fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
+      __half* dst = cvt + which * TT * D;
+      *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c + 1)) = hi;
+    }
+  }
+
+  // Grid (max_splits, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory.
+  __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
+                             const char* __restrict__ vpool, long long block_stride, int num_blocks,
+                             const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
+                             float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
+                             int max_splits, int* __restrict__ err, char* smem) {
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int len = lengths[b];
+    if (!length_ok(len, nq, table_stride * PAGE)) {
+      if (split == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
+      return;
+    }
+    const int begin = split * SPLIT;
+    if (begin >= len) return;
+    const int end = min(begin + SPLIT, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
+    const int* table = block_tables + static_cast<long long>(b) * table_stride;
+
+    __half* sq = reinterpret_cast<__half*>(smem);
+    char* sraw = smem + Q_BYTES;
+    __half* scvt = reinterpret_cast<__half*>(sraw + RAW_BYTES);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = warp / RWARPS, rw = warp % RWARPS;
+    float* ss = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES) + warp * 16 * S_LD;
+    __half* sp = reinterpret_cast<__half*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES) + warp * 16 * P_LD;
+    float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + warp * 16;
+
+    // Pipeline prologue first, so the K/V copies are in flight while Q is staged.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < tiles)
+        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, table, num_blocks, kpool, vpool, block_stride, kh,
+                  err);
+      commit();
+    }
+    for (int idx = threadIdx.x; idx < ROWS * CH; idx += THREADS) {  // Q rows: zeros past nq
+      const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (i < nq) v = __ldg(reinterpret_cast<const uint4*>(q + ((static_cast<long long>(b) * nq + i) * HQ + h) * D) + c);
+      *reinterpret_cast<uint4*>(sq + 8 * swz<CH>(r, c)) = v;
+    }
+
+    // Softmax state: lanes 2r and 2r + 1 both track row r of this warp (tokens split in halves).
+    const int srow = lane >> 1, half = lane & 1;
+    const int qi = (16 * rw + srow) % QROWS;
+    const int limit = qi < nq ? len - nq + qi : len - 1;  // last visible position of this row
+    float m_run = -DFG_INF, l_run = 0.0f;
+    float o[NACC][ACC_E];
+#pragma unroll
+    for (int n = 0; n < NACC; ++n)
+#pragma unroll
+      for (int e = 0; e < ACC_E; ++e) o[n][e] = 0.0f;
+
+    for (int it = 0; it < tiles; ++it) {
+      if (it + STAGES - 1 < tiles)
+        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, table,
+                  num_blocks, kpool, vpool, block_stride, kh, err);
+      commit();
+      wait<STAGES - 1>();
+      __syncthreads();
+      const char* stage = sraw + (it % STAGES) * 2 * RAW_TILE;
+      const __half* sk = reinterpret_cast<const __half*>(stage);
+      if constexpr (FP8) {
+        decode_tile(stage, scvt);
+        __syncthreads();
+        sk = scvt;
+      }
+      const __half* sv = sk + TT * D + grp * T * D;  // this group's tile (rows keep their swizzle: T % 8 == 0)
+      sk += grp * T * D;
+
+      Mma::template qk<T, D, S_LD>(sq, 16 * rw, sk, qk_scale, ss);
+      __syncwarp();
+      {
+        const int t0 = begin + it * TT + grp * T;
+        constexpr int HALF = T / 2;
+        float v[HALF];
+        float mx = -DFG_INF;
+#pragma unroll
+        for (int j = 0; j < HALF; j += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(ss + srow * S_LD + half * HALF + j);
+          v[j] = x.x;
+          v[j + 1] = x.y;
+          v[j + 2] = x.z;
+          v[j + 3] = x.w;
+        }
+#pragma unroll
+        for (int j = 0; j < HALF; ++j) {
+          if (t0 + half * HALF + j > limit) v[j] = -DFG_INF;  // causal mask (and the tile's tail)
+          mx = fmaxf(mx, v[j]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        const float m_new = fmaxf(m_run, mx);
+        const float base = m_new == -DFG_INF ? 0.0f : m_new;  // all masked so far: exp2 gives 0, not NaN
+        const float alpha = exp2f(m_run - base);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HALF; j += 2) {
+          const float p0 = exp2f(v[j] - base), p1 = exp2f(v[j + 1] - base);
+          sum += p0;
+          sum += p1;
+          *reinterpret_cast<__half2*>(sp + srow * P_LD + half * HALF + j) = __floats2half2_rn(p0, p1);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l_run = l_run * alpha + sum;
+        m_run = m_new;
+        if (half == 0) salpha[srow] = alpha;
+      }
+      __syncwarp();
+      Mma::template pv<T, D, P_LD>(sp, sv, salpha, o);
+      __syncthreads();  // the stage (and the FP8 decode buffer) is refilled next
+    }
+    wait<0>();
+    if constexpr (KVG > 1) combine_groups(reinterpret_cast<float*>(sraw), grp, rw, lane, srow, half, m_run, l_run, o);
+    if (grp > 0) return;
+
+    // Partial results of this split: unnormalised O, and (max, sum) per row (max in log2 units).
+    const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
+    float* po = part_o + slot * ROWS * D;
+#pragma unroll
+    for (int n = 0; n < NACC; ++n)
+#pragma unroll
+      for (int e = 0; e < ACC_E; ++e) po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(n, e)] = o[n][e];
+    if (half == 0) {
+      float* pml = part_ml + (slot * ROWS + 16 * rw + srow) * 2;
+      pml[0] = m_run;
+      pml[1] = l_run;
+    }
+  }
+
+  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (the stage buffers, idle
+  // after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, lane)
+  // holds the same accumulator elements for every g, so O travels by (rw, lane, element).
+  __device__ static void combine_groups(float* x, int grp, int rw, int lane, int srow, int half, float& m_run,
+                                        float& l_run, float (&o)[NACC][ACC_E]) {
+    float* xo = x;                                    // [KVG-1][RWARPS][128][32]
+    float* xml = x + (KVG - 1) * RWARPS * 128 * 32;   // [KVG][ROWS][2]
+    if (grp > 0) {
+      float* dst = xo + ((grp - 1) * RWARPS + rw) * 128 * 32 + lane;
+#pragma unroll
+      for (int n = 0; n < NACC; ++n)
+#pragma unroll
+        for (int e = 0; e < ACC_E; ++e) dst[(n * ACC_E + e) * 32] = o[n][e];
+    }
+    if (half == 0) {
+      xml[(grp * ROWS + 16 * rw + srow) * 2] = m_run;
+      xml[(grp * ROWS + 16 * rw + srow) * 2 + 1] = l_run;
+    }
+    __syncthreads();
+    if (grp > 0) return;
+    // Combined max of row r and each group's weight; a row none of the groups saw stays at -inf.
+    auto weights = [&](int r, float (&w)[KVG]) {
+      float mx = -DFG_INF;
+#pragma unroll
+      for (int g = 0; g < KVG; ++g) mx = fmaxf(mx, xml[(g * ROWS + r) * 2]);
+      const float base = mx == -DFG_INF ? 0.0f : mx;
+#pragma unroll
+      for (int g = 0; g < KVG; ++g) w[g] = exp2f(xml[(g * ROWS + r) * 2] - base);
+      return mx;
+    };
+#pragma unroll
+    for (int n = 0; n < NACC; ++n)
+#pragma unroll
+      for (int e = 0; e < ACC_E; ++e) {
+        float w[KVG];
+        weights(16 * rw + Mma::acc_row(n, e), w);
+        float v = o[n][e] * w[0];
+#pragma unroll
+        for (int g = 1; g < KVG; ++g) v += xo[((g - 1) * RWARPS + rw) * 128 * 32 + (n * ACC_E + e) * 32 + lane] * w[g];
+        o[n][e] = v;
+      }
+    float w[KVG];
+    m_run = weights(16 * rw + srow, w);
+    float l = 0.0f;
+#pragma unroll
+    for (int g = 0; g < KVG; ++g) l += xml[(g * ROWS + 16 * rw + srow) * 2 + 1] * w[g];
+    l_run = l;
+  }
+
+  // Grid (ROWS, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
+  // Splits are combined in ascending order; out is FP32 [B, nq, HQ, D].
+  __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
+                               const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
+                               float* __restrict__ out) {
+    const int r = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int i = r % QROWS, h = kh * GROUP + r / QROWS;
+    if (i >= nq) return;
+    const int len = lengths[b];
+    float4 res;
+    if (!length_ok(len, nq, capacity)) {
+      res = make_float4(DFG_NAN, DFG_NAN, DFG_NAN, DFG_NAN);
+    } else {
+      const int ns = (len + SPLIT - 1) / SPLIT;
+      const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
+      const float* ml = part_ml + (slot0 * ROWS + r) * 2;
+      float mx = -DFG_INF;
+#pragma unroll 8  // independent loads in flight: the loop is latency-bound otherwise
+      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS * 2]);
+      float den = 0.0f;
+      float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+      for (int s = 0; s < ns; ++s) {
+        const float w = exp2f(ml[s * ROWS * 2] - mx);  // split 0 holds position 0: mx is finite
+        den += ml[s * ROWS * 2 + 1] * w;
+        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS + r) * D + 4 * threadIdx.x);
+        num.x += x.x * w;
+        num.y += x.y * w;
+        num.z += x.z * w;
+        num.w += x.w * w;
+      }
+      const float f = v_scale / den;
+      res = make_float4(num.x * f, num.y * f, num.z * f, num.w * f);
+    }
+    *reinterpret_cast<float4*>(out + ((static_cast<long long>(b) * nq + i) * HQ + h) * D + 4 * threadIdx.x) = res;
+  }
+};
+
+}  // namespace dflashgen

@@ -1,0 +1,385 @@
+"""Grouped verification attention kernels on the CPU: the rendered family, its sm_70 (and one sm_90)
+compile, exact FP8 decoding, the fragment-layout coverage, a float emulation of the kernel's split /
+tile / merge order against the reference, and the input errors. GPU runs: test_gpu_attention.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dflashgen.runtime.attention import PagedKVCache, verify_attention, verify_attention_reference
+from dflashgen.runtime.attention_kernel import (
+    AttentionInputError,
+    check_inputs,
+    dense_verify_attention,
+    paged_verify_attention,
+    select_kernel,
+    validate_contents,
+)
+
+from dflashgen import attention_family as af
+from dflashgen.build import build
+
+TARGET_HEADS = [(24, 4), (6, 1)]  # Qwen3.8-27B at TP1 and per TP4 rank
+
+
+def test_family_covers_every_target_once() -> None:
+    specs = af.specs()
+    defaults: dict[tuple, af.AttnSpec] = {}
+    for s in specs:
+        if s.default:
+            assert s.key() not in defaults, f"two default schedules for {s.key()}"
+            defaults[s.key()] = s
+        for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
+                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"sp{s.split}"):
+            assert f"_{part}_" in s.name + "_"
+    want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
+            for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
+    assert set(defaults) == want
+    assert all("qwen3.8-27b/tp" in u for s in specs for u in s.serves)
+    assert len(specs) <= 48, "keep the family's build small"
+    # The runtime picks exactly the default, and only by name otherwise.
+    for hq, hkv in TARGET_HEADS:
+        e = select_kernel(90, hq, hkv, 256, "fp16", 16)
+        spec = defaults[(90, hq, hkv, 256, 8, "fp16", 16)]
+        assert e["default"] and e["family"] == "attention" and e["name"] == spec.name and e["smem"] == spec.smem
+
+
+def test_render_is_deterministic_and_marked_generated() -> None:
+    s = af.specs()[0]
+    a, b = af.render(s), af.render(s)
+    assert a == b and "DO NOT EDIT" in a and f"{s.name}_merge" in a and f"SMEM == {s.smem}" in a
+
+
+@pytest.mark.parametrize("change,match", [({"tile": 48}, "tile"), ({"d": 128}, "head_dim 256"),
+                                          ({"hq": 5}, "multiple of 16"), ({"stages": 9}, "shared memory")])
+def test_schedule_rejects_illegal_kernels(change, match) -> None:
+    base = dict(arch=90, hq=6, hkv=1, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=256)
+    with pytest.raises(af.AttnScheduleError, match=match):
+        af.check(af.AttnSpec(**{**base, **change}), 232448)
+
+
+@pytest.mark.parametrize("arch,needles", [(70, ["mma.sync.aligned.m8n8k4"]),
+                                          (90, ["mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async"])])
+def test_kernel_compiles_without_spills(arch, needles) -> None:
+    name = select_kernel(arch, 6, 1, 256, "e4m3", 4)["name"]
+    res = build([arch], only=f"^{name}$", progress=False)
+    r = res.resources()[name]
+    assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
+    ptx = res.artifacts[name].ptx.read_text()
+    assert all(n in ptx for n in needles) and f"{name}_merge" in ptx
+
+
+def test_fp8_decoders_are_exact() -> None:
+    """The kernel's bit tricks: E5M2 byte << 8 is the FP16; E4M3 -> FP16 of value * 2^-8."""
+    b = torch.arange(256, dtype=torch.int32)
+    e5 = b.to(torch.uint8).view(torch.float8_e5m2).float()
+    fin = torch.isfinite(e5)
+    got5 = (b << 8).to(torch.int16).view(torch.float16).float()
+    assert torch.equal(got5[fin], e5[fin])
+    e4 = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    fin = ~torch.isnan(e4)
+    got4 = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16).view(torch.float16).float() * 256
+    assert torch.equal(got4[fin], e4[fin])
+
+
+def _sm80_acc(lane: int, n: int, e: int) -> tuple[int, int]:
+    return lane // 4 + 8 * (e >> 1), 8 * n + 2 * (lane % 4) + (e & 1)
+
+
+def _sm70_acc(lane: int, n: int, e: int) -> tuple[int, int]:
+    i, qp = (lane & 3) + 4 * (lane >> 4), (lane >> 2) & 3
+    row = (i & 1) + 2 * ((e >> 1) & 1) + 4 * (i >> 2)
+    col = 2 * ((i >> 1) & 1) + (e & 1) + 4 * (e >> 2)
+    return 8 * (qp & 1) + row, 8 * ((qp >> 1) + 2 * n) + col
+
+
+@pytest.mark.parametrize("acc,ntiles,elems", [(_sm80_acc, 32, 4), (_sm70_acc, 16, 8)])
+def test_accumulator_layouts_cover_the_warp_tile_once(acc, ntiles, elems) -> None:
+    """Every (row, column) of a warp's 16 x 256 output (and 16 x T scores, the same formulas with
+    fewer N tiles) is held by exactly one (lane, tile, element): mirrors acc_row / acc_col."""
+    seen = [acc(lane, n, e) for lane in range(32) for n in range(ntiles) for e in range(elems)]
+    assert sorted(seen) == [(r, c) for r in range(16) for c in range(256)]
+
+
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def _combine(parts: list, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum, O) of several token ranges combined in order with the kernel's -inf guard."""
+    mx = torch.stack([p[0] for p in parts]).amax(0)
+    base = _finite_or_zero(mx)
+    den, num = torch.zeros(len(mx)), torch.zeros(len(mx), d)
+    for m_s, l_s, o_s in parts:
+        w = torch.exp2(m_s - base)
+        den, num = den + l_s * w, num + o_s * w[:, None]
+    return mx, den, num
+
+
+def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.AttnSpec) -> torch.Tensor:
+    """The kernel's arithmetic in float32 torch: FP16 Q, FP16-decoded K/V, scores in log2 units,
+    splits of spec.split tokens in tiles of spec.tile, online softmax with the kernel's -inf guards,
+    FP16 P, and the ascending-order merge. Checks the index math (causal limits, padded rows, split
+    and tile boundaries, scale folding) that the GPU then executes."""
+    nb, nq, hq, d = q.shape
+    group = hq // cache.num_kv_heads
+    out = torch.empty(nb, nq, hq, d)
+    qk = 1 / math.sqrt(d) * 1.4426950408889634 * float(cache.k_scale)
+    for b, r in enumerate(reqs):
+        n = cache.length(r)
+        pos = torch.arange(n)
+        blocks = cache.block_tables[r, pos // cache.block_size].long()
+        k16 = cache.k_pool[blocks, pos % cache.block_size].to(torch.float16).float()  # exact for FP8
+        v16 = cache.v_pool[blocks, pos % cache.block_size].to(torch.float16).float()
+        for kh in range(cache.num_kv_heads):
+            rows = torch.zeros(group * spec.qrows, d)
+            i = torch.arange(group * spec.qrows) % spec.qrows
+            for h in range(group):
+                rows[h * spec.qrows:h * spec.qrows + nq] = q[b, :, kh * group + h].half().float()
+            limit = torch.where(i < nq, n - nq + i, n - 1)
+            parts = []
+            for lo in range(0, n, spec.split):
+                groups = []
+                for grp in range(spec.kvg):  # group g: tile g of every stage of kvg tiles
+                    m = torch.full((len(rows),), -math.inf)
+                    ssum, o = torch.zeros(len(rows)), torch.zeros(len(rows), d)
+                    for t0 in range(lo + grp * spec.tile, min(lo + spec.split, n), spec.tile * spec.kvg):
+                        t1 = min(t0 + spec.tile, n)
+                        s = rows @ k16[t0:t1, kh].T * qk
+                        s = s.masked_fill(torch.arange(t0, t1)[None, :] > limit[:, None], -math.inf)
+                        m_new = torch.maximum(m, s.amax(1))
+                        base = _finite_or_zero(m_new)
+                        alpha, p = torch.exp2(m - base), torch.exp2(s - base[:, None])
+                        ssum = ssum * alpha + p.sum(1)
+                        o = o * alpha[:, None] + p.half().float() @ v16[t0:t1, kh]
+                        m = m_new
+                    groups.append((m, ssum, o))
+                parts.append(_combine(groups, d))
+            m_s, den, num = _combine(parts, d)
+            res = num * (float(cache.v_scale) / den)[:, None]
+            for h in range(group):
+                out[b, :, kh * group + h] = res[h * spec.qrows:h * spec.qrows + nq]
+    return out
+
+
+@pytest.mark.parametrize("dtype,kvg", [(torch.float16, 1), (torch.float8_e5m2, 1), (torch.float8_e4m3fn, 1),
+                                       (torch.float16, 2)])
+@pytest.mark.parametrize("nq", [8, 3])
+def test_kernel_algorithm_matches_reference(dtype, kvg, nq) -> None:
+    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=32, stages=2, split=64 * kvg, kvg=kvg)
+    scales = {"k_scale": 0.05, "v_scale": 0.02} if dtype != torch.float16 else {}
+    cache = PagedKVCache(128, 4, 1, 256, max_requests=4, max_blocks_per_request=64, dtype=dtype, **scales)
+    g = torch.Generator().manual_seed(0)
+    lengths = [nq, 63, 64 + nq - 1, 200]  # a split holding only the last rows' tokens, tile tails
+    for r, n in enumerate(lengths):
+        cache.append(r, torch.randn(n, 1, 256, generator=g) * 2, torch.randn(n, 1, 256, generator=g))
+    q = torch.randn(len(lengths), nq, 6, 256, generator=g).half()
+    ref = verify_attention_reference(q, cache, list(range(len(lengths))))
+    got = _emulate(q, cache, list(range(len(lengths))), spec)
+    vmax = max(float(cache.gather(r)[1].abs().max()) for r in range(len(lengths)))
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-3 * vmax)
+
+
+def _inputs(**over):
+    t = dict(q=torch.zeros(2, 8, 6, 256, dtype=torch.float16), k_pool=torch.zeros(10, 16, 1, 256, dtype=torch.float16),
+             v_pool=torch.zeros(10, 16, 1, 256, dtype=torch.float16),
+             block_tables=torch.zeros(2, 4, dtype=torch.int32), lengths=torch.full((2,), 8, dtype=torch.int32))
+    t.update(over)
+    return t
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"q": torch.zeros(2, 8, 5, 256, dtype=torch.float16), "k_pool": torch.zeros(10, 16, 2, 256, dtype=torch.float16),
+      "v_pool": torch.zeros(10, 16, 2, 256, dtype=torch.float16)}, "not a multiple of KV heads"),
+    ({"q": torch.zeros(2, 8, 6, 128, dtype=torch.float16)}, "head_dim"),
+    ({"q": torch.zeros(8, 6, 256)}, r"\[B, nq, Hq, D\]"),
+    ({"k_pool": torch.zeros(10, 16, 1, 256)}, "float16 / float8"),
+    ({"v_pool": torch.zeros(10, 16, 1, 256, dtype=torch.float8_e5m2)}, "differ"),
+    ({"k_pool": torch.zeros(10, 16, 256, 1, dtype=torch.float16).transpose(2, 3)}, "contiguous"),
+    ({"block_tables": torch.zeros(2, 4, dtype=torch.int64)}, "int32"),
+    ({"block_tables": torch.zeros(2, 8, dtype=torch.int32)[:, :4]}, "block_tables must be contiguous"),
+    ({"lengths": torch.zeros(3, dtype=torch.int32)}, "lengths"),
+])
+def test_structural_errors(over, match) -> None:
+    with pytest.raises(AttentionInputError, match=match):
+        check_inputs(**_inputs(**over))
+
+
+def test_content_and_kernel_errors() -> None:
+    table = torch.tensor([[0, 1, 2, 3], [4, 10, -1, -1]], dtype=torch.int32)
+    with pytest.raises(AttentionInputError, match="request 1: page table entry 1 = 10 out of range"):
+        validate_contents(table, torch.tensor([64, 20], dtype=torch.int32), 8, 16, 10)
+    with pytest.raises(AttentionInputError, match="exceeds the block table's capacity 64"):
+        validate_contents(table, torch.tensor([65, 8], dtype=torch.int32), 8, 16, 10)
+    with pytest.raises(AttentionInputError, match="shorter than the 8 query rows"):
+        validate_contents(table, torch.tensor([7, 8], dtype=torch.int32), 8, 16, 10)
+    validate_contents(table, torch.tensor([64, 16], dtype=torch.int32), 8, 16, 10)  # unused -1 entries are fine
+    with pytest.raises(AttentionInputError, match="no sm_90 attention kernel for 12 query / 1 KV heads"):
+        select_kernel(90, 12, 1, 256, "fp16", 16)
+    with pytest.raises(AttentionInputError, match="page 8"):
+        select_kernel(70, 6, 1, 256, "fp16", 8)
+    with pytest.raises(AttentionInputError, match="CUDA tensors"):
+        paged_verify_attention(**_inputs())
+
+
+def test_cpu_dispatch_is_the_reference() -> None:
+    cache = PagedKVCache(16, 4, 1, 256, max_requests=2, max_blocks_per_request=8, dtype=torch.float8_e4m3fn,
+                         k_scale=0.1)
+    g = torch.Generator().manual_seed(1)
+    for r, n in enumerate((9, 20)):
+        cache.append(r, torch.randn(n, 1, 256, generator=g), torch.randn(n, 1, 256, generator=g))
+    q = torch.randn(2, 8, 6, 256, generator=g)
+    assert torch.equal(verify_attention(q, cache, [0, 1]), verify_attention_reference(q, cache, [0, 1]))
+    with pytest.raises(AttentionInputError, match="CUDA tensors"):
+        verify_attention(q, cache, [0, 1], backend="kernel")
+    kc = torch.zeros(2, 32, 1, 256, dtype=torch.float16)
+    assert dense_verify_attention(q, kc, kc, torch.tensor([9, 20])) is None  # CPU: the caller's reference
+
+
+# --- fragment data flow: the header's shared-memory addressing driven through models of ldmatrix and
+# the MMA fragment layouts (PTX ISA for m16n8k16; CuTe's SM70 TN / TT layouts for m8n8k4) ----------
+
+def _swz(row: int, chunk: int, chunks: int) -> int:
+    return row * chunks + (chunk ^ (row & 7))
+
+
+def _store_tile(x: torch.Tensor) -> torch.Tensor:
+    """A [rows, D] tile as the kernel lays it out: 16-byte chunks swizzled per row (flat halves)."""
+    rows, d = x.shape
+    flat = torch.zeros(rows * d)
+    for r in range(rows):
+        for c in range(d // 8):
+            flat[8 * _swz(r, c, d // 8):8 * _swz(r, c, d // 8) + 8] = x[r, 8 * c:8 * c + 8]
+    return flat
+
+
+def _ldsm(flat: torch.Tensor, addrs: list[int], trans: bool = False) -> list[list[tuple[float, float]]]:
+    """ldmatrix.x4: lane 8m + r gives row r of matrix m (8 halves at addrs[lane]); returns per lane
+    the four 32-bit registers as (lo, hi) pairs."""
+    mats = [torch.stack([flat[addrs[8 * m + r]:addrs[8 * m + r] + 8] for r in range(8)]) for m in range(4)]
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        regs = []
+        for m in mats:
+            mm = m.T if trans else m
+            regs.append((float(mm[g, 2 * t]), float(mm[g, 2 * t + 1])))
+        out.append(regs)
+    return out
+
+
+def _mma16816(a: list, b: list, c: torch.Tensor) -> None:
+    """c [32 lanes, 4] += A (16x16) B (16x8) with A, B rebuilt from the lanes' fragments."""
+    A, B = torch.zeros(16, 16), torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[row, col], A[row, col + 1] = a[lane][reg]
+        for reg, k in enumerate([2 * t, 2 * t + 8]):
+            B[k, g], B[k + 1, g] = b[lane][reg]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        c[lane] += torch.tensor([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+
+
+def test_sm80_fragment_dataflow() -> None:
+    """AttnSm80::qk / pv addressing (transliterated) computes Q K^T and P V exactly."""
+    t_, d, r0 = 32, 64, 16  # D reduced to 64 to keep it quick: the formulas do not depend on D
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randint(-3, 4, s, generator=g).float() for s in ((48, d), (t_, d), (t_, d)))
+    sq, sk, sv = _store_tile(q), _store_tile(k), _store_tile(v)
+    ch = d // 8
+    s = torch.zeros(32, t_ // 8, 4)
+    for kk in range(d // 16):
+        a = _ldsm(sq, [8 * _swz(r0 + (ln & 7) + 8 * ((ln >> 3) & 1), 2 * kk + (ln >> 4), ch) for ln in range(32)])
+        for j in range(t_ // 16):
+            b = _ldsm(sk, [8 * _swz(16 * j + (ln & 7) + 8 * (ln >> 4), 2 * kk + ((ln >> 3) & 1), ch)
+                           for ln in range(32)])
+            _mma16816(a, [x[0:2] for x in b], s[:, 2 * j])
+            _mma16816(a, [x[2:4] for x in b], s[:, 2 * j + 1])
+    got = torch.zeros(16, t_)
+    for ln in range(32):
+        for n in range(t_ // 8):
+            for e in range(4):
+                got[_sm80_acc(ln, n, e)] = s[ln, n, e]
+    assert torch.equal(got, q[r0:r0 + 16] @ k.T)
+    p_ld = t_ + 8
+    p = torch.randint(-3, 4, (16, t_), generator=g).float()
+    sp = torch.zeros(16 * p_ld)
+    for r in range(16):
+        sp[r * p_ld:r * p_ld + t_] = p[r]
+    o = torch.zeros(32, d // 8, 4)
+    for ks in range(t_ // 16):
+        a = _ldsm(sp, [((ln & 7) + 8 * ((ln >> 3) & 1)) * p_ld + 16 * ks + 8 * (ln >> 4) for ln in range(32)])
+        for j in range(d // 16):
+            b = _ldsm(sv, [8 * _swz(16 * ks + (ln & 7) + 8 * ((ln >> 3) & 1), 2 * j + (ln >> 4), ch)
+                           for ln in range(32)], trans=True)
+            _mma16816(a, [x[0:2] for x in b], o[:, 2 * j])
+            _mma16816(a, [x[2:4] for x in b], o[:, 2 * j + 1])
+    got = torch.zeros(16, d)
+    for ln in range(32):
+        for n in range(d // 8):
+            for e in range(4):
+                got[_sm80_acc(ln, n, e)] = o[ln, n, e]
+    assert torch.equal(got, p @ v)
+
+
+def test_sm70_fragment_dataflow() -> None:
+    """AttnSm70::qk / pv addressing with m8n8k4 per quad-pair (CuTe: TN A row i / B column i, 4 K;
+    TT B row k = i % 4, columns 4 (i / 4) ..; SM70_8x8_32b accumulators) computes Q K^T and P V."""
+    t_, d, r0 = 32, 64, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randint(-3, 4, s, generator=g).float() for s in ((48, d), (t_, d), (t_, d)))
+    sq, sk, sv = _store_tile(q), _store_tile(k), _store_tile(v)
+    ch = d // 8
+
+    def ld4(flat: torch.Tensor, row: int, e: int) -> torch.Tensor:
+        base = 8 * _swz(row, e >> 3, ch) + (e & 7)
+        return flat[base:base + 4]
+
+    def lanes(qp: int) -> list[tuple[int, int]]:  # (lane, logical thread i) of quad-pair qp
+        return [(4 * qp + (i & 3) + 16 * (i >> 2), i) for i in range(8)]
+
+    def crow(i: int, e: int) -> int:
+        return (i & 1) + 2 * ((e >> 1) & 1) + 4 * (i >> 2)
+
+    def ccol(i: int, e: int) -> int:
+        return 2 * ((i >> 1) & 1) + (e & 1) + 4 * (e >> 2)
+
+    s = torch.zeros(16, t_)
+    for qp in range(4):
+        rb, tb0 = qp & 1, qp >> 1
+        for j in range(t_ // 16):
+            acc = torch.zeros(8, 8)  # the QP's 8x8 block, via its fragments
+            for kd in range(d // 4):
+                A, B = torch.zeros(8, 4), torch.zeros(4, 8)
+                for _, i in lanes(qp):
+                    A[i] = ld4(sq, r0 + 8 * rb + i, 4 * kd)
+                    B[:, i] = ld4(sk, 8 * (tb0 + 2 * j) + i, 4 * kd)
+                acc += A @ B
+            for _, i in lanes(qp):
+                for e in range(8):
+                    s[8 * rb + crow(i, e), 8 * (tb0 + 2 * j) + ccol(i, e)] = acc[crow(i, e), ccol(i, e)]
+    assert torch.equal(s, q[r0:r0 + 16] @ k.T)
+    p = torch.randint(-3, 4, (16, t_), generator=g).float()
+    o = torch.zeros(16, d)
+    for qp in range(4):
+        rb, db0 = qp & 1, qp >> 1
+        for n in range(d // 16):
+            acc = torch.zeros(8, 8)
+            for kt in range(t_ // 4):
+                A, B = torch.zeros(8, 4), torch.zeros(4, 8)
+                for _, i in lanes(qp):
+                    A[i] = p[8 * rb + i, 4 * kt:4 * kt + 4]
+                    col = 8 * (db0 + 2 * n) + 4 * (i >> 2)
+                    B[i % 4, 4 * (i // 4):4 * (i // 4) + 4] = ld4(sv, 4 * kt + (i & 3), col)
+                acc += A @ B
+            for ln, i in lanes(qp):
+                for e in range(8):
+                    row, col = _sm70_acc(ln, n, e)
+                    assert (row, col) == (8 * rb + crow(i, e), 8 * (db0 + 2 * n) + ccol(i, e))
+                    o[row, col] = acc[crow(i, e), ccol(i, e)]
+    assert torch.equal(o, p @ v)

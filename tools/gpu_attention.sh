@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue #6 on the GPU machine, in one call: build the attention kernels for this GPU, run the GPU
+# attention tests (native cubins and the sm_70 build's compute_70 PTX via the driver JIT) and the
+# benchmark. From the repo root:
+#   OUT=/some/dir bash tools/gpu_attention.sh
+# Carry .build holding the sm_70 attention kernels (the H200 has no CUDA 12 toolchain); on a CUDA 12
+# machine: DFLASHGEN_CACHE=.build dflashgen build --arch 70 --only dfg_attn
+# Writes exactly: $OUT/attention.log, $OUT/attn-bench.json, $OUT/attn-bench.md.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export DFLASHGEN_CACHE=${DFLASHGEN_CACHE:-$PWD/.build} PYTHONUNBUFFERED=1
+export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296  # driver JIT cache for PTX
+if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
+  export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
+fi
+exec > >(tee -a "$OUT/attention.log") 2>&1
+T0=$SECONDS
+step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $((SECONDS - t)) s)"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+ARCH=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); a = 10 * m + n; \
+print(90 if a >= 90 else 80 if a >= 80 else 70)")
+step dflashgen build --arch "$ARCH" --only dfg_attn -j 16 --no-spills -v -q
+step dflashgen build --arch 70 --only dfg_attn -q  # prebuilt from the carried cache when no CUDA 12 here
+step python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider -rfE --durations=8
+step dflashgen attn-bench --out "$OUT"
+echo "== total $((SECONDS - T0)) s"
