@@ -63,7 +63,7 @@ import torch.distributed as dist
 from dflashgen.deployment import load_deployment
 from dflashgen.model import ModelConfig, load_model_config, parse_model_config
 
-from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_cost
+from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, StaticDFlashDrafter, block_drafter_cost
 from .parallel import RowParallel, TPContext, init_tp
 from .sampling import SamplingParams
 from .spec_decode import Drafter, NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
@@ -218,9 +218,10 @@ def _model_config(spec: str | None, layers: int | None) -> ModelConfig:
 
 
 def write_synthetic(directory: str | Path, model: str | None, layers: int | None, deployment: str | None,
-                    seed: int = 0) -> ModelConfig:
+                    seed: int = 0, device: str = "cpu") -> ModelConfig:
+    """device="cuda": draw and quantize on the GPU (the full 27B checkpoint in seconds, not minutes)."""
     return write_synthetic_checkpoint(directory, _model_config(model, None), load_deployment(deployment),
-                                      seed=seed, layers=layers)
+                                      seed=seed, layers=layers, device=device)
 
 
 def drafter_config_for(cfg: ModelConfig) -> DrafterConfig:
@@ -324,17 +325,36 @@ def _params_for(cfg: BenchConfig, n: int) -> list[SamplingParams]:
 
 
 def _make_drafter(cfg: BenchConfig, target: TargetModel, block: BlockDrafter | None,
-                  continuations: list[list[int]] | None) -> Drafter:
+                  continuations: list[list[int]] | None, max_batch: int = MAX_BATCH,
+                  max_len: int | None = None) -> Drafter:
+    """On CUDA the block drafter runs over static slots (one CUDA graph per batch size, fed the real
+    target taps); on CPU the per-request DFlashDrafter (replay: random stand-in taps)."""
     if cfg.drafter == "ngram":
         return NgramDrafter(num_draft=NUM_DRAFT)
     assert block is not None
+    static = None
+    if target.device.type == "cuda" and getattr(target, "tp", 1) == 1:
+        static = StaticDFlashDrafter(block, max_batch, max_len or cfg.prompt_len + cfg.output_len, seed=cfg.seed)
     if cfg.drafter == "dflash":
-        return DFlashDrafter(block, cfg.seed)
+        return static or DFlashDrafter(block, cfg.seed)
     assert continuations is not None
     d = ReplayDrafter(continuations, cfg.acceptance, NUM_DRAFT, seed=cfg.seed,
-                      cost_model=block_drafter_cost(block, cfg.seed), synthetic_acceptance=cfg.synthetic_acceptance)
+                      cost_model=static or block_drafter_cost(block, cfg.seed),
+                      synthetic_acceptance=cfg.synthetic_acceptance)
     d.label = replay_label(cfg.acceptance, cfg.synthetic_acceptance)
     return d
+
+
+def replay_continuations(target: TargetModel, prompts: Sequence[Sequence[int]], n: int,
+                         cfg: BenchConfig) -> list[list[int]]:
+    """The replay drafter's "right" tokens (n per prompt, D more than the output so drafts near the end
+    are real). Greedy verification needs the target's own greedy continuation (plain decoding, one
+    token per forward). Under synthetic acceptance the accept decisions are the drafter's coins and
+    the tokens' content never changes the work, so seeded random tokens stand in (saving the
+    prompts x n single-token forwards: minutes at full size)."""
+    if cfg.synthetic_acceptance:
+        return make_prompts(len(prompts), n, target.cfg.vocab_size, cfg.seed + 1)
+    return [plain_greedy(target, p, n) for p in prompts]
 
 
 def _median(v: Sequence[float]) -> float | None:
@@ -352,15 +372,14 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     block = _block_drafter(target, cfg.seed) if cfg.drafter in ("replay", "dflash") else None
     conts = None
     if cfg.drafter == "replay":
-        # The greedy continuation (+ D so drafts near the end are real): the replay's "right" tokens.
         if log:
-            log(f"replay: greedy continuations of {cfg.prompts} prompts ...")
-        conts = [plain_greedy(target, p, cfg.output_len + NUM_DRAFT) for p in prompts]
-    label = _make_drafter(cfg, target, block, conts).label
+            log(f"replay: continuations of {cfg.prompts} prompts ...")
+        conts = replay_continuations(target, prompts, cfg.output_len + NUM_DRAFT, cfg)
+    label = _make_drafter(cfg, target, block, conts, 1, max_len).label
     rows: list[dict[str, Any]] = []
     b1_outputs: list[list[int]] | None = None
     for b in cfg.batches:
-        dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts), max_batch=b, max_len=max_len,
+        dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
                           num_draft=NUM_DRAFT)
         if cfg.warmup:  # first-call costs (allocations, lazy init) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
@@ -492,8 +511,9 @@ def run_demo(model: str = "tiny", layers: int | None = None, *, prompts: int = 4
         target = load_target(tmp, deployment, seed=seed)
     ps = make_prompts(prompts, prompt_len, target.cfg.vocab_size, seed)
     block = _block_drafter(target, seed) if drafter != "ngram" else None
-    conts = [plain_greedy(target, p, output_len + NUM_DRAFT) for p in ps] if drafter == "replay" else None
-    dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts), max_batch=batch,
+    conts = replay_continuations(target, ps, output_len + NUM_DRAFT, cfg) if drafter == "replay" else None
+    dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, batch, prompt_len + output_len),
+                      max_batch=batch,
                       max_len=prompt_len + output_len, num_draft=NUM_DRAFT)
     out(f"demo: {dec.stats.label}")
     out(f"target {target.cfg.source} ({target.cfg.num_hidden_layers} layers), {prompts} prompts x {prompt_len} "
@@ -579,7 +599,7 @@ def _launch_tp(args: argparse.Namespace, argv: list[str]) -> int:
         if args.synthetic:
             ckpt = ckpt or tmp
             _log(f"writing a synthetic checkpoint to {ckpt} ...")
-            write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+            write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed, args.device)
         elif ckpt is None:
             raise ValueError("give a checkpoint directory or --synthetic")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.tp}",
@@ -620,7 +640,10 @@ def _run_bench(args: argparse.Namespace) -> int:
                     ckpt = box[0]
                 if rank == 0:
                     _log(f"writing a synthetic checkpoint to {ckpt} ...")
-                    write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+                    t_w = time.perf_counter()
+                    write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed,
+                                    "cuda" if args.device == "cuda" and rank == 0 else "cpu")
+                    _log(f"synthetic checkpoint written in {time.perf_counter() - t_w:.1f} s")
                 if ctx is not None:
                     dist.barrier()  # written before any rank loads
             elif ckpt is None:

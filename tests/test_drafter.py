@@ -253,3 +253,22 @@ def test_config_checked_against_target(model: TargetModel) -> None:
             BlockDrafter.for_target(model, replace(DrafterConfig.tiny(64), **kw))
     with pytest.raises(ValueError, match="width 64"):
         BlockDrafter.for_target(model, DrafterConfig.tiny(64, hidden_size=32))
+
+
+def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, block: BlockDrafter) -> None:
+    """The static-slot drafter (CUDA-graph form, eager here): greedy decoding stays identical to plain
+    decoding, each slot's context length follows its request, and its drafts match the per-request
+    DFlashDrafter's (same math up to FP32 summation order)."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(5, 40), _prompt(9, 41), _prompt(1, 42)]
+    oracle = [plain_greedy(model, p, 10) for p in prompts]
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=32)
+    dec = SpecDecoder(model, static, max_batch=2, max_len=32, num_draft=static.num_draft)
+    assert dec.generate(prompts, GREEDY, 10) == oracle
+    assert not static.slot_of  # every request released
+    eager = DFlashDrafter(block)
+    dec_e = SpecDecoder(model, eager, max_batch=2, max_len=32, num_draft=eager.num_draft)
+    assert dec_e.generate(prompts, GREEDY, 10) == oracle
+    st = [r for r in dec.stats.rounds]
+    assert [r.accepted for r in st] == [r.accepted for r in dec_e.stats.rounds]  # the same drafts accepted
