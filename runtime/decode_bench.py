@@ -258,6 +258,8 @@ class BenchConfig:
     max_len: int | None = None  # default prompt_len + output_len
     warmup: bool = True
     synthetic: bool = True  # replay + sampled verification: synthetic accept/reject decisions (benchmark only)
+    graphs: bool = True  # CUDA graphs for the target steps and the draft pass (on CUDA); False: eager
+    sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
 
     @property
     def synthetic_acceptance(self) -> bool:
@@ -334,7 +336,8 @@ def _make_drafter(cfg: BenchConfig, target: TargetModel, block: BlockDrafter | N
     assert block is not None
     static = None
     if target.device.type == "cuda" and getattr(target, "tp", 1) == 1:
-        static = StaticDFlashDrafter(block, max_batch, max_len or cfg.prompt_len + cfg.output_len, seed=cfg.seed)
+        static = StaticDFlashDrafter(block, max_batch, max_len or cfg.prompt_len + cfg.output_len,
+                                     graphs=cfg.graphs, seed=cfg.seed)
     if cfg.drafter == "dflash":
         return static or DFlashDrafter(block, cfg.seed)
     assert continuations is not None
@@ -377,11 +380,13 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         conts = replay_continuations(target, prompts, cfg.output_len + NUM_DRAFT, cfg)
     label = _make_drafter(cfg, target, block, conts, 1, max_len).label
     rows: list[dict[str, Any]] = []
+    dec_info: dict[str, Any] = {}
     b1_outputs: list[list[int]] | None = None
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
-                          num_draft=NUM_DRAFT)
-        if cfg.warmup:  # first-call costs (allocations, lazy init) stay out of the measured run
+                          num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler)
+        dec_info = {"graphs": dec.steps.capture_enabled, "sampler": dec.sampler}
+        if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
         dec.observer = clock
@@ -422,7 +427,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     where = target.device.type + (f" x TP{tp}" if tp > 1 else "")
     header = (f"{label}; target {tc.source} ({tc.num_hidden_layers} layers, vocab {tc.vocab_size}) on "
               f"{where}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
-              f"output tokens; q{NUM_DRAFT}; {sampling}")
+              f"output tokens; q{NUM_DRAFT}; {sampling}; "
+              f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling")
     note = None
     if cfg.synthetic_acceptance:
         note = (f"SYNTHETIC ACCEPTANCE (benchmark only): each draft's accept/reject decision under sampled "
@@ -449,7 +455,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
                    "sampling": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k},
                    "seed": cfg.seed, "max_len": max_len, "num_draft": NUM_DRAFT,
                    "model": tc.source, "layers": tc.num_hidden_layers, "device": target.device.type,
-                   "tp": tp},
+                   "tp": tp, "graphs": dec_info.get("graphs"), "sampler": dec_info.get("sampler")},
         "rows": rows,
     }
 
@@ -513,8 +519,7 @@ def run_demo(model: str = "tiny", layers: int | None = None, *, prompts: int = 4
     block = _block_drafter(target, seed) if drafter != "ngram" else None
     conts = replay_continuations(target, ps, output_len + NUM_DRAFT, cfg) if drafter == "replay" else None
     dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, batch, prompt_len + output_len),
-                      max_batch=batch,
-                      max_len=prompt_len + output_len, num_draft=NUM_DRAFT)
+                      max_batch=batch, max_len=prompt_len + output_len, num_draft=NUM_DRAFT)
     out(f"demo: {dec.stats.label}")
     out(f"target {target.cfg.source} ({target.cfg.num_hidden_layers} layers), {prompts} prompts x {prompt_len} "
         f"tokens -> {output_len}, B={batch}")
@@ -571,6 +576,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--max-len", type=int, default=None, help="tokens per request (default prompt + output)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="run the verify forward, rollback and draft pass eagerly (same kernels and shapes as the "
+                        "CUDA graphs, bitwise-identical tokens)")
+    p.add_argument("--sampler", choices=("compact", "dense"), default=None,
+                   help="rejection sampling: the generated compact kernel (default on CUDA) or the dense torch path")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
     p.add_argument("--tp", type=int, default=1,
@@ -618,7 +628,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
-                          not args.no_synthetic_acceptance)
+                          not args.no_synthetic_acceptance, not args.no_graphs, args.sampler)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")
