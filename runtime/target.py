@@ -577,9 +577,13 @@ class TargetModel(torch.nn.Module):
         cw = self.w[f"{p}.conv1d.weight"].view(c, width)
         mixed = F.silu((cat.unfold(-1, width, 1) * cw[:, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-        rep = nv // nk  # value head h reads key head h // rep
-        q = (_l2_norm(q.reshape(b, t, nk, dk)) * dk**-0.5).repeat_interleave(rep, dim=2).transpose(1, 2)
-        k = _l2_norm(k.reshape(b, t, nk, dk)).repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, Hv, T, dk]
+        rep = nv // nk  # value head h reads key head h // rep (expand, not repeat_interleave: no host sync)
+
+        def per_value_head(x: Tensor) -> Tensor:
+            return x[:, :, :, None].expand(b, t, nk, rep, dk).reshape(b, t, nv, dk).transpose(1, 2)
+
+        q = per_value_head(_l2_norm(q.reshape(b, t, nk, dk)) * dk**-0.5)
+        k = per_value_head(_l2_norm(k.reshape(b, t, nk, dk)))  # [B, Hv, T, dk]
         v = v.reshape(b, t, nv, dv).transpose(1, 2)
 
         s0 = state.ssm[i]
