@@ -222,19 +222,24 @@ class DecodeState:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
-        self.ssm: dict[int, Tensor] = {}
-        self.conv: dict[int, Tensor] = {}
         for i, lt in enumerate(cfg.layer_types):
             if lt == FULL:
                 shape = (batch, max_len, nkv_l, cfg.head_dim)
                 # zeros, not empty: masked keys are multiplied by probability 0, and 0 * NaN = NaN
                 self.k[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
-            else:
-                _, _, dk, dv, w = _gdn_dims(cfg)
-                self.ssm[i] = torch.zeros(batch, nv_l, dk, dv, dtype=torch.float32, device=device)
-                self.conv[i] = torch.zeros(batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
-                                           device=device)
+        # GDN states of all layers stacked [layers, B, ...] (ssm[i] / conv[i] are per-layer views), so a
+        # rollback is one batched computation over every layer rather than a few kernels per layer.
+        self.gdn_index = {i: j for j, i in enumerate(i for i, lt in enumerate(cfg.layer_types) if lt != FULL)}
+        n_gdn = len(self.gdn_index)
+        dk = dv = w = 1
+        if n_gdn:
+            _, _, dk, dv, w = _gdn_dims(cfg)
+        self.ssm_all = torch.zeros(n_gdn, batch, nv_l, dk, dv, dtype=torch.float32, device=device)
+        self.conv_all = torch.zeros(n_gdn, batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
+                                    device=device)
+        self.ssm = {i: self.ssm_all[j] for i, j in self.gdn_index.items()}
+        self.conv = {i: self.conv_all[j] for i, j in self.gdn_index.items()}
         self._armed = 0  # positions the next forward keeps rollback terms for (0: commit everything)
         self._span = 0  # positions of the armed forward awaiting rollback (0: none)
         self._bufs: dict[str, Tensor] = {}  # verify scratch, full batch; narrowed states slice it
@@ -248,6 +253,8 @@ class DecodeState:
         sub = object.__new__(DecodeState)
         sub.batch, sub.max_len = batch, self.max_len
         sub.lengths = self.lengths[:batch]
+        sub.gdn_index = self.gdn_index
+        sub.ssm_all, sub.conv_all = self.ssm_all[:, :batch], self.conv_all[:, :batch]
         for name in ("k", "v", "ssm", "conv"):
             setattr(sub, name, {i: t[:batch] for i, t in getattr(self, name).items()})
         sub._armed, sub._span, sub._bufs, sub._root = 0, 0, {}, self._root
@@ -265,6 +272,20 @@ class DecodeState:
         elif buf is None or buf.shape[1:] != shape or buf.dtype != dtype:
             buf = root._bufs[name] = torch.zeros((root.batch, *shape), dtype=dtype, device=root.lengths.device)
         return buf[:self.batch]
+
+    def stacked(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """Like :meth:`buffer`, FP32 ``[GDN layers, batch, *shape]`` (layer-major: one batched op
+        covers every layer; ``[j]`` is GDN layer j's contiguous ``[batch, *shape]`` block)."""
+        root = self._root
+        key = "stacked:" + name
+        buf = root._bufs.get(key)
+        if shape is None:
+            if buf is None:
+                raise RuntimeError(f"decode state buffer {name!r} was never written")
+        elif buf is None or buf.shape[2:] != shape:
+            buf = root._bufs[key] = torch.zeros((len(self.gdn_index), root.batch, *shape),
+                                                device=root.lengths.device)
+        return buf[:, :self.batch]
 
     def checkpoint(self, positions: int) -> None:
         """Arm the next forward (of at most ``positions`` positions) to keep what :meth:`rollback` needs
@@ -286,11 +307,9 @@ class DecodeState:
         if check and (lengths.shape != (self.batch,) or bool((n < 0).any()) or bool((n > t).any())):
             raise ValueError(f"rollback lengths {lengths.tolist()} outside the checkpointed range "
                              f"[{base.tolist()}, +{t}]")
-        for i, s in self.ssm.items():
-            _gdn_state_at(s, self.buffer(f"gdn_k{i}"), self.buffer(f"gdn_u{i}"),
-                          self.buffer(f"gdn_g{i}"), n, out=s)
-        for i, c in self.conv.items():
-            c.copy_(_window(self.buffer(f"conv_cat{i}"), n, c.shape[-1]))
+        if self.gdn_index:  # every layer at once
+            _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n, out=self.ssm_all)
+            self.conv_all.copy_(_window(self.stacked("conv_cat"), n, self.conv_all.shape[-1]))
         self.lengths.copy_(lengths)
         self._span = 0
 
@@ -303,26 +322,27 @@ class DecodeState:
         """Empty request slot ``index`` (a new request starts there)."""
         self.commit()
         self.lengths[index] = 0
-        for s in (*self.ssm.values(), *self.conv.values()):
-            s[index].zero_()
+        self.ssm_all[:, index].zero_()
+        self.conv_all[:, index].zero_()
 
 
 def _window(cat: Tensor, n: Tensor, width: int) -> Tensor:
-    """cat[b, :, n[b] : n[b] + width] for every request b."""
-    idx = n[:, None, None] + torch.arange(width, device=cat.device)
-    return cat.gather(-1, idx.expand(cat.shape[0], cat.shape[1], width))
+    """cat[..., b, :, n[b] : n[b] + width] for every request b (cat ``[..., B, C, L]``)."""
+    idx = n.view(*([1] * (cat.dim() - 3)), -1, 1, 1) + torch.arange(width, device=cat.device)
+    return cat.gather(-1, idx.expand(*cat.shape[:-1], width))
 
 
 def _gdn_state_at(s0: Tensor, k: Tensor, u: Tensor, g: Tensor, n: Tensor, out: Tensor | None = None) -> Tensor:
     """Gated delta rule state after the first ``n[b]`` positions of a chunk that started at ``s0``.
 
-    s0 [B, H, dk, dv]; k [B, H, T, dk] keys, u [B, H, T, dv] new values, g [B, H, T] cumulative log
-    decay (inclusive); n [B] in [0, T]. ``exp(G_n) s0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T`` with
-    G_0 = 0. ``out`` may be ``s0`` (in place)."""
-    b, h, t, _ = k.shape
-    g_ext = torch.cat((torch.zeros_like(g[..., :1]), g), dim=-1)  # [B, H, T+1]: G_0 = 0
-    g_n = g_ext.gather(-1, n.view(b, 1, 1).expand(b, h, 1))  # [B, H, 1]
-    live = torch.arange(t, device=k.device) < n.view(b, 1, 1)  # positions i < n
+    s0 [..., B, H, dk, dv]; k [..., B, H, T, dk] keys, u [..., B, H, T, dv] new values, g [..., B, H, T]
+    cumulative log decay (inclusive); n [B] in [0, T] (leading dims: e.g. stacked layers).
+    ``exp(G_n) s0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T`` with G_0 = 0. ``out`` may be ``s0``."""
+    t = k.shape[-2]
+    nb = n.view(*([1] * (g.dim() - 3)), -1, 1, 1)  # [..., B, 1, 1]
+    g_ext = torch.cat((torch.zeros_like(g[..., :1]), g), dim=-1)  # [..., B, H, T+1]: G_0 = 0
+    g_n = g_ext.gather(-1, nb.expand(*g.shape[:-1], 1))  # [..., B, H, 1]
+    live = torch.arange(t, device=k.device) < nb  # positions i < n
     w = torch.exp((g_n - g).masked_fill(~live, -math.inf))  # [B, H, T], 0 past n
     upd = (k * w[..., None]).transpose(-1, -2) @ u  # [B, H, dk, dv]
     scale = torch.exp(g_n)[..., None]
@@ -334,12 +354,14 @@ def _gdn_state_at(s0: Tensor, k: Tensor, u: Tensor, g: Tensor, n: Tensor, out: T
 # --------------------------------------------------------------------------- model
 
 
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+def _rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
+    return F.rms_norm(x, x.shape[-1:], w, eps)  # x * rsqrt(mean(x^2) + eps) * w; fused on CUDA
 
 
-def _l2_norm(x: Tensor) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_EPS)
+def _l2_norm(x: Tensor, scale: float = 1.0) -> Tensor:
+    """scale * x * rsqrt(sum(x^2) + eps), as one RMSNorm: sum = n * mean, so eps -> eps / n."""
+    n = x.shape[-1]
+    return _rms_norm(x, None, _L2_EPS / n) * (scale / math.sqrt(n))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -402,6 +424,9 @@ class TargetModel(torch.nn.Module):
         # Effective multiplicative norm weights (zero-centred ones get their +1 here, once).
         self.w: dict[str, Tensor] = {
             n: (t + off if n.endswith("norm.weight") and "linear_attn" not in n else t) for n, t in w.items()}
+        # GDN decay rate -exp(A_log), once (not per forward)
+        self.neg_a = {i: -torch.exp(self.w[f"model.layers.{i}.linear_attn.A_log"])
+                      for i, lt in enumerate(cfg.layer_types) if lt != FULL}
         rd = int(cfg.head_dim * cfg.partial_rotary_factor) // 2 * 2
         self.rotary_dim = rd
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64, device=self.device) / rd)
@@ -570,27 +595,27 @@ class TargetModel(torch.nn.Module):
         mixed, z = qkvz.split([c, nv * dv], dim=-1)
         bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
         beta = torch.sigmoid(bet).transpose(1, 2)  # [B, Hv, T]
-        log_decay = (-torch.exp(self.w[f"{p}.A_log"]) * F.softplus(a + self.w[f"{p}.dt_bias"])).transpose(1, 2)
+        log_decay = (self.neg_a[i] * F.softplus(a + self.w[f"{p}.dt_bias"])).transpose(1, 2)  # -A * dt
 
         # Depthwise causal conv (width W) over q|k|v, continuing from the last W-1 inputs.
         cat = torch.cat((state.conv[i], mixed.transpose(1, 2)), dim=-1)  # [B, C, W-1+T]
-        cw = self.w[f"{p}.conv1d.weight"].view(c, width)
-        mixed = F.silu((cat.unfold(-1, width, 1) * cw[:, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
+        mixed = F.silu(F.conv1d(cat, self.w[f"{p}.conv1d.weight"].view(c, 1, width), groups=c)).transpose(1, 2)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         rep = nv // nk  # value head h reads key head h // rep (expand, not repeat_interleave: no host sync)
 
         def per_value_head(x: Tensor) -> Tensor:
             return x[:, :, :, None].expand(b, t, nk, rep, dk).reshape(b, t, nv, dk).transpose(1, 2)
 
-        q = per_value_head(_l2_norm(q.reshape(b, t, nk, dk)) * dk**-0.5)
+        q = per_value_head(_l2_norm(q.reshape(b, t, nk, dk), dk**-0.5))
         k = per_value_head(_l2_norm(k.reshape(b, t, nk, dk)))  # [B, Hv, T, dk]
         v = v.reshape(b, t, nv, dv).transpose(1, 2)
 
         s0 = state.ssm[i]
         if keep:  # one chunk; the state stays at s0 until rollback picks the accepted length
             o, kk, u, g = _gdn_chunk(s0, q, k, v, beta, log_decay)
-            for name, val in ((f"gdn_k{i}", kk), (f"gdn_u{i}", u), (f"gdn_g{i}", g), (f"conv_cat{i}", cat)):
-                state.buffer(name, tuple(val.shape[1:])).copy_(val)
+            j = state.gdn_index[i]
+            for name, val in (("k", kk), ("u", u), ("g", g), ("conv_cat", cat)):
+                state.stacked(name, tuple(val.shape[1:]))[j].copy_(val)
         else:
             step = t if t <= _SMALL_CHUNK else _CHUNK
             s, final, outs = s0, s0, []
