@@ -24,8 +24,15 @@ and ``drafter.release(rid)`` when a request finishes. Observing is timed as ``dr
 
 Capacity: a request may hold ``max_len`` tokens (prompt + generated). The verify forward writes
 ``D + 1`` positions past ``len(history) - 1``, so the state is allocated with ``max_len + D``
-positions (the overshoot is rolled back). Empty slots ride along in the verify forward as padding
-(their length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+positions (the overshoot is rolled back). A round runs slots ``[0, b)`` with ``b`` = the highest active
+slot + 1 (admission fills the lowest free slot); empty slots below it ride along as padding (their
+length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+
+CUDA graphs (default on a CUDA target without TP): the verify forward and the rollback replay graphs
+captured per batch size (:class:`~.graphs.DecodeGraphs`), as does a static-slot drafter's draft pass;
+``graphs=False`` runs the same steps eagerly, bitwise-identical. Sampling: the generated compact
+rejection kernel on CUDA (``sampler="compact"``, :mod:`~.rejection`), the dense torch path on CPU or
+with ``sampler="dense"``; both consume the same uniforms and give the same tokens.
 
 Synthetic acceptance (benchmark only): a drafter with ``synthetic_acceptance = True`` (the
 :class:`ReplayDrafter` option) supplies ``accept_decisions(contexts) -> [B, D] bool`` each round, and
@@ -589,13 +596,13 @@ class SpecDecoder:
         tmp = self.target.new_state(len(joins), t)
         n_new = torch.tensor(lens, device=dev)
         if td is not None:
-            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps)
+            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps, logits=False)
             fused = _fuse(hidden, td.taps)
             for j, r in enumerate(reqs):
                 assert r is not None
                 td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
         else:
-            self.target(pad.to(dev), tmp, num_new=n_new)
+            self.target(pad.to(dev), tmp, num_new=n_new, logits=False)  # the state is what prefill is for
         st = self.state
         for j, s in enumerate(joins):
             n = lens[j]

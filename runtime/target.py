@@ -470,15 +470,16 @@ class TargetModel(torch.nn.Module):
 
     @overload
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: None = None, check: bool = True) -> Tensor: ...
+                taps: None = None, check: bool = True, logits: bool = True) -> Tensor: ...
 
     @overload
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: Sequence[int], check: bool = True) -> tuple[Tensor, dict[int, Tensor]]: ...
+                taps: Sequence[int], check: bool = True, logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]: ...
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: Sequence[int] | None = None, check: bool = True) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
+                taps: Sequence[int] | None = None, check: bool = True,
+                logits: bool = True) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
         """Append ``tokens [B, T]`` at positions ``state.lengths + t``; logits ``[B, T, V]`` FP32.
 
         num_new: per-request count of real tokens (right padding beyond it, e.g. prompts of different
@@ -488,6 +489,8 @@ class TargetModel(torch.nn.Module):
         conditioned on. None (default): logits only.
         check: validate lengths / num_new against the state (host syncs). ``False`` for CUDA-graph
         capture: the caller validates on the host. The work itself never syncs.
+        logits: False skips the final norm and the lm_head (an empty ``[B, T, 0]`` tensor is returned):
+        prefill only needs the state (and taps), not ``B x T x V`` logits.
         """
         tap_set = set(taps) if taps is not None else set()
         if bad := sorted(i for i in tap_set if not 0 <= i < self.cfg.num_hidden_layers):
@@ -523,14 +526,15 @@ class TargetModel(torch.nn.Module):
             h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
             if i in tap_set:
                 tapped[i] = h
-        logits = self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps))
+        out = (self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps)) if logits
+               else h.new_empty(b, t, 0))
 
         if keep:
             state.buffer("base", (), torch.long).copy_(base)
             state._span = t
         state.lengths.copy_(base + (n_new if n_new is not None else t))
         state._armed = 0
-        return logits if taps is None else (logits, {i: tapped[i] for i in taps})
+        return out if taps is None else (out, {i: tapped[i] for i in taps})
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         gu = self._p(i, "gate_up_proj")

@@ -169,3 +169,26 @@ def test_synthetic_writer_on_gpu_is_fast(tmp_path: Path) -> None:
     t = time.perf_counter()
     write_synthetic(tmp_path, None, 2, "nvfp4", seed=0, device="cuda")  # 2 layers + embed-size lm_head
     assert time.perf_counter() - t < 60
+
+
+def test_sampler_timing_report() -> None:
+    """Not a gate: CUDA-event medians of one round's rejection sampling, compact kernel vs dense
+    (printed; the script's pytest log keeps it)."""
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import verify
+
+    for b in (1, 2, 4, 8):
+        drafts, logits, params, u, _ = _case(b, 7, 1.0, 0.95, seed=b, with_q=False)
+        times = {}
+        for name, fn in (("compact", compact_verify), ("dense", verify)):
+            fn(drafts, logits, params, u)
+            ms = []
+            for _ in range(10):
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(drafts, logits, params, u)
+                z.record()
+                torch.cuda.synchronize()
+                ms.append(a.elapsed_time(z))
+            times[name] = sorted(ms)[len(ms) // 2]
+        print(f"rejection sampling B{b} q7 V={VOCAB}: compact {times['compact']:.3f} ms, dense {times['dense']:.3f} ms")

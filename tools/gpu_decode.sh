@@ -31,7 +31,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i 
 # sm_70: the rejection family's compute_70 PTX (NVRTC 12.9 wheel), JIT-compiled by the driver in the tests.
 step 300 dflashgen build --arch 90 -j 16 -q
 step 120 dflashgen build --arch 70 --only _rejection_ -j 16 -q
-step 300 bash -c "python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider -rf 2>&1 | tee '$OUT/pytest-decode.log'"
+step 300 bash -c "python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider -rfP 2>&1 | tee '$OUT/pytest-decode.log'"
 # smoke: the whole bench path on 4 layers in seconds, so a failure shows before the full-size run
 step 120 dflashgen decode-bench --synthetic --device cuda --layers 4 --prompts 4 --prompt-len 128 \
   --output-len 64 --batches 1 2
