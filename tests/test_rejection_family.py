@@ -12,6 +12,7 @@ from dflashgen.runtime.rejection import pick_entry
 from dflashgen import rejection
 from dflashgen.build import build
 from dflashgen.render import FAMILY_MODULES, family_kernels, generated_dir, load_manifest
+from dflashgen.toolchain import parse_ptxas_log
 
 QWEN_VOCAB = 248320
 
@@ -60,10 +61,11 @@ def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_90 (NVRTC 12.9 builds sm_70 only here)")
     res = build([arch], only="_rejection_", progress=False)
-    rows = res.resources()
-    assert len(rows) == 3
-    assert not [n for n, r in rows.items() if r["spill_stores"] or r["spill_loads"]]
+    assert len(res.resources()) == 3
     for a in res.artifacts.values():
+        entries = parse_ptxas_log(a.log.read_text())  # both kernels of the pair, not just the main one
+        assert set(entries) == {a.name, a.name + "_decide"}
+        assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
         ptx = a.ptx.read_text()
         assert f".entry {a.name}(" in ptx and f".entry {a.name}_decide(" in ptx
         assert a.cubin.stat().st_size > 0

@@ -10,7 +10,7 @@
 
 using dflashgen::rejection::Desc;
 
-extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS)
+extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS, 1)
 dfg_sm70_rejection_v248320_d3(const float* __restrict__ logits, const long long* __restrict__ drafts,
     const float* __restrict__ temperature, const int* __restrict__ top_k, const float* __restrict__ top_p,
     int vocab, int num_drafts, Desc* __restrict__ desc) {
@@ -18,7 +18,7 @@ dfg_sm70_rejection_v248320_d3(const float* __restrict__ logits, const long long*
       248320, 3, desc);
 }
 
-extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS)
+extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS, 1)
 dfg_sm70_rejection_v248320_d3_decide(const float* __restrict__ logits, const long long* __restrict__ drafts,
     const float* __restrict__ draft_probs, const float* __restrict__ temperature,
     const float* __restrict__ u_accept, const float* __restrict__ u_sample,

@@ -14,7 +14,8 @@
 //   describe (grid D+1 x B): per position, the kept set as one 64-bit key threshold. A token's key is
 //     (order-preserving bits of its scaled logit, V-1-id), so keys are unique and ordered exactly like
 //     the reference's stable sort. top-k = radix select of the k-th key (8-bit digits, counts);
-//     top-p = radix select of the first key whose inclusive weight reaches top_p * (top-k weight).
+//     top-p = radix select of the first key whose inclusive weight reaches top_p * (top-k weight);
+//     histogram atomics are aggregated per warp (hist_add).
 //     Outputs max logit, threshold, total weight z, argmax, weight of the draft token.
 //   decide (grid B): accepted length from the per-position tests, then one block-wide inverse-CDF
 //     scan over the residual at that position (integer partial sums per contiguous id range).
@@ -69,6 +70,25 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T identity, T* scratch) {
 struct MaxU64 { __device__ u64 operator()(u64 a, u64 b) const { return a > b ? a : b; } };
 struct SumU64 { __device__ u64 operator()(u64 a, u64 b) const { return a + b; } };
 
+// hist[bin] += val for every participating lane, aggregated per warp: the few most common bins of a
+// warp step go in with one atomic each (the top key digit puts nearly every token in 2-4 bins, which
+// per-lane atomics would serialise); lanes left over hold spread-out bins and add directly.
+// Warp-uniform: every lane of the warp must call it.
+__device__ __forceinline__ void hist_add(u64* hist, bool part, int bin, u64 val) {
+  const int lane = threadIdx.x & 31;
+  unsigned todo = __ballot_sync(0xffffffffu, part);
+  for (int it = 0; it < 4 && todo != 0u; ++it) {
+    const int leader = __ffs(todo) - 1;
+    const int lb = __shfl_sync(0xffffffffu, bin, leader);
+    const bool mine = part && bin == lb;
+    u64 v = mine ? val : 0ull;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == leader) atomicAdd(&hist[lb], v);
+    todo &= ~__ballot_sync(0xffffffffu, mine);
+  }
+  if ((todo >> lane) & 1u) atomicAdd(&hist[bin], val);
+}
+
 // Radix select over the keys >= lo: by count (the key of 0-based descending rank `rank`) or by
 // weight (the first key, descending, whose inclusive cumulative weight reaches `target`).
 template <int ID_BITS, int PAD, int DIGITS, bool BY_WEIGHT>
@@ -80,10 +100,19 @@ __device__ __forceinline__ u64 radix_select(const float* row, int vocab, float d
     const int shift = 8 * d;
     for (int i = threadIdx.x; i < BINS; i += THREADS) hist[i] = 0;
     __syncthreads();
-    for (int id = threadIdx.x; id < vocab; id += THREADS) {
-      const float v = scaled(row, id, div);
-      const u64 key = make_key<ID_BITS, PAD>(v, id, vocab);
-      if (key >= lo && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (BINS - 1)], BY_WEIGHT ? weight(v, vmax) : 1ull);
+    for (int base = 0; base < vocab; base += THREADS) {  // uniform trip count: hist_add is warp-wide
+      const int id = base + threadIdx.x;
+      bool part = false;
+      int bin = 0;
+      u64 val = 1;
+      if (id < vocab) {
+        const float v = scaled(row, id, div);
+        const u64 key = make_key<ID_BITS, PAD>(v, id, vocab);
+        part = key >= lo && (key & mask) == prefix;
+        bin = (int)((key >> shift) & (BINS - 1));
+        if (BY_WEIGHT && part) val = weight(v, vmax);
+      }
+      hist_add(hist, part, bin, val);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -169,13 +198,13 @@ __device__ __forceinline__ void describe(const float* __restrict__ logits, const
 
 // Residual weight of token `id` at the emitting position (see the header comment).
 template <int ID_BITS, int PAD>
-__device__ __forceinline__ u64 residual_weight(const float* row, int id, int vocab, float div, const Desc& dn,
-                                               bool residual, const float* q, int excluded) {
+__device__ __forceinline__ u64 residual_weight(const float* row, int id, int vocab, float div, u64 cut, float vmax,
+                                               u64 z, bool residual, const float* q, int excluded) {
   const float v = scaled(row, id, div);
-  u64 w = make_key<ID_BITS, PAD>(v, id, vocab) >= dn.cut ? weight(v, dn.vmax) : 0ull;
+  u64 w = make_key<ID_BITS, PAD>(v, id, vocab) >= cut ? weight(v, vmax) : 0ull;
   if (residual) {
     if (q != nullptr) {
-      const long long r = (long long)w - (long long)floor((double)q[id] * (double)dn.z);
+      const long long r = (long long)w - (long long)floor((double)q[id] * (double)z);
       w = r > 0 ? (u64)r : 0ull;
     } else if (id == excluded) {
       w = 0;
@@ -203,6 +232,7 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
   const long long* xs = drafts + (long long)b * D;
 
   int n = 0;  // leading run of accepted drafts (every thread computes it: D is small)
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
   for (; n < D; ++n) {
     const long long x = xs[n];
     const double u = (double)u_accept[(long long)b * D + n], z = (double)dd[n].z, w = (double)dd[n].w_draft;
@@ -218,8 +248,9 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
     }
     if (!ok) break;
   }
-  const Desc dn = dd[n];
-  int token = dn.argmax;
+  const u64 cut = dd[n].cut, zn = dd[n].z;  // fields, not a struct copy: keeps them in registers
+  const float vmax = dd[n].vmax;
+  int token = dd[n].argmax;
   if (!greedy) {
     const float* row = logits + ((long long)b * (D + 1) + n) * vocab;
     const float* q = (draft_probs != nullptr && n < D) ? draft_probs + ((long long)b * D + n) * vocab : nullptr;
@@ -228,9 +259,11 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
     const int lo = min(threadIdx.x * chunk, vocab), hi = min(lo + chunk, vocab);
     bool residual = n < D;  // recovery: the residual, unless it has no weight (then p itself)
     u64 part = 0, total = 0;
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
     for (int pass = 0; pass < 2; ++pass) {
       part = 0;
-      for (int id = lo; id < hi; ++id) part += residual_weight<ID_BITS, PAD>(row, id, vocab, div, dn, residual, q, excluded);
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
+      for (int id = lo; id < hi; ++id) part += residual_weight<ID_BITS, PAD>(row, id, vocab, div, cut, vmax, zn, residual, q, excluded);
       total = block_reduce(part, SumU64(), 0ull, red);
       if (!residual || total > 0) break;
       residual = false;
@@ -240,6 +273,7 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
     __syncthreads();
     if (threadIdx.x == 0) {
       u64 run = 0;
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
       for (int i = 0; i < THREADS; ++i) { const u64 p = scan[i]; scan[i] = run; run += p; }
       pick = 0xffffffffu;
     }
@@ -248,8 +282,9 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
     const u64 before = scan[threadIdx.x];
     if (before <= thr && thr < before + part) {  // the owner of the crossing scans its range
       u64 run = before;
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
       for (int id = lo; id < hi; ++id) {
-        run += residual_weight<ID_BITS, PAD>(row, id, vocab, div, dn, residual, q, excluded);
+        run += residual_weight<ID_BITS, PAD>(row, id, vocab, div, cut, vmax, zn, residual, q, excluded);
         if (run > thr) { pick = (unsigned int)id; break; }
       }
     }
@@ -259,6 +294,7 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
   if (threadIdx.x == 0) {
     accepted_out[b] = n;
     long long* tk = tokens_out + (long long)b * (D + 1);
+#pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
     for (int i = 0; i <= D; ++i) tk[i] = i < n ? xs[i] : (i == n ? token : -1);
   }
 }
