@@ -1,4 +1,5 @@
-"""The compact rejection-sampling kernel family: rendering, manifest entries, kernel choice, and the
+"""The compact rejection-sampling kernel family: rendering, manifest entries, kernel choice, the
+kernel's algorithm mirrored in Python against the dense reference (CPU), and the
 sm_70 (NVRTC + ptxas 12.9) and sm_90 (nvcc, when present) compiles without spills. The kernel's
 exactness against the dense reference runs on a GPU (tests/test_gpu_decode.py)."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from dflashgen.runtime.rejection import pick_entry
+from dflashgen.runtime.sampling import SamplingParams, Uniforms, target_probs, verify
 
 from dflashgen import rejection
 from dflashgen.build import build
@@ -69,3 +72,122 @@ def test_family_compiles_without_spills(arch: int) -> None:
         ptx = a.ptx.read_text()
         assert f".entry {a.name}(" in ptx and f".entry {a.name}_decide(" in ptx
         assert a.cubin.stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- the algorithm, mirrored
+
+
+def _keys(x: torch.Tensor, id_bits: int, pad: int) -> torch.Tensor:
+    """rejection.cuh make_key: (order-preserving float bits, V-1-id) as int64 (<= 56 bits)."""
+    v = x.shape[-1]
+    bits = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    ordered = torch.where(bits >= 0x80000000, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
+    return ((ordered << id_bits) | (v - 1 - torch.arange(v))) << pad
+
+
+def _radix(keys: torch.Tensor, w: torch.Tensor, lo: int, rank: int, target: float, by_weight: bool,
+           digits: int) -> int:
+    prefix = mask = above = 0
+    for d in reversed(range(digits)):
+        shift = 8 * d
+        part = (keys >= lo) & ((keys & mask) == prefix)
+        bins = (keys[part] >> shift) & 255
+        hist = torch.zeros(256, dtype=torch.long).index_add_(0, bins, w[part] if by_weight else torch.ones_like(bins))
+        pick = 0
+        for b in range(255, -1, -1):
+            h = int(hist[b])
+            if (float(above + h) >= target) if by_weight else (above + h > rank):
+                pick = b
+                break
+            above += h
+        prefix |= pick << shift
+        mask |= 255 << shift
+    return prefix
+
+
+def _mirror(drafts, logits, params, u, q=None, override=None, vocab_spec: int | None = None):
+    """A line-by-line Python port of describe + decide (no sorting, radix selects, integer weights)."""
+    b_n, d = drafts.shape
+    v = logits.shape[-1]
+    id_bits, pad, digits = rejection.key_plan(vocab_spec)
+    accepted, tokens = [], []
+    for b in range(b_n):
+        sp = params[b]
+        greedy = sp.temperature == 0
+        div = torch.tensor(1.0 if greedy else sp.temperature, dtype=torch.float32)
+        desc = []
+        for pos in range(d + 1):
+            x = logits[b, pos].float() / div
+            keys = _keys(x, id_bits, pad)
+            kmax = int(keys.max())
+            argmax = v - 1 - ((kmax >> pad) & ((1 << id_bits) - 1))
+            w = (torch.exp(x - x[argmax]) * 4294967296.0).floor().long()
+            cut, z = kmax, 1
+            if not greedy:
+                cut = 0
+                if 0 < sp.top_k < v:
+                    cut = _radix(keys, w, 0, sp.top_k - 1, 0.0, False, digits)
+                p32 = float(torch.tensor(sp.top_p, dtype=torch.float32))
+                if p32 < 1.0:
+                    cut = _radix(keys, w, cut, 0, p32 * float(int(w[keys >= cut].sum())), True, digits)
+                z = int(w[keys >= cut].sum())
+            wd = 0
+            if pos < d:
+                xi = int(drafts[b, pos])
+                if int(keys[xi]) >= cut:
+                    wd = 1 if greedy else int(w[xi])
+            desc.append((cut, z, wd, argmax, keys, w))
+        n = 0
+        while n < d:
+            cut, z, wd, argmax, _, _ = desc[n]
+            xi, ua = int(drafts[b, n]), float(u.accept[b, n])
+            if greedy:
+                ok = xi == argmax
+            elif override is not None:
+                ok = bool(override[b, n])
+            elif q is None:
+                ok = ua * z < wd
+            else:
+                ok = wd > 0 and ua * float(q[b, n, xi]) * z <= wd
+            if not ok:
+                break
+            n += 1
+        cut, z, _, argmax, keys, w = desc[n]
+        token = argmax
+        if not greedy:
+            wk = torch.where(keys >= cut, w, 0)
+            res = wk
+            if n < d:
+                res = (wk - (q[b, n].double() * z).floor().long()).clamp_min(0) if q is not None else \
+                    wk.scatter(0, drafts[b, n:n + 1], 0)
+                if int(res.sum()) == 0:
+                    res = wk
+            thr = int(float(u.sample[b, n]) * float(int(res.sum())) // 1)
+            token = int(torch.searchsorted(res.cumsum(0), torch.tensor([thr]), right=True)[0])
+        accepted.append(n)
+        tokens.append([int(drafts[b, i]) if i < n else (token if i == n else -1) for i in range(d + 1)])
+    return torch.tensor(accepted), torch.tensor(tokens)
+
+
+@pytest.mark.parametrize("vocab, spec", [(97, None), (1000, 1000), (5003, None)])
+@pytest.mark.parametrize("with_q", [False, True])
+def test_kernel_algorithm_equals_dense_reference(vocab: int, spec: int | None, with_q: bool) -> None:
+    """The kernel's algorithm (mirrored in Python on the CPU) gives the dense path's accepted lengths
+    and tokens: fp16-rounded logits (ties), top-k, top-p, greedy rows, draft probabilities, override."""
+    g = torch.Generator().manual_seed(vocab + with_q)
+    b, d = 6, 7
+    logits = (torch.randn(b, d + 1, vocab, generator=g) * 3).half().float()
+    params = [SamplingParams(temperature=0.6, top_p=0.95), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.95), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.6, top_k=50, top_p=0.8)]
+    p = target_probs(logits, params)
+    for trial in range(3):
+        drafts = torch.multinomial(p[:, :d].reshape(-1, vocab), 1, generator=g).view(b, d)
+        drafts[:, ::3] = p[:, :d:3].argmax(-1)
+        q = torch.softmax(logits[:, :d] * 0.5 + torch.randn(b, d, vocab, generator=g), -1) if with_q else None
+        u = Uniforms.draw(b, d, g)
+        override = (torch.rand(b, d, generator=g) < 0.8) if trial == 2 else None
+        ref = verify(drafts, logits, params, u, q, accept_override=override)
+        acc, tok = _mirror(drafts, logits, params, u, q, override, spec)
+        assert acc.tolist() == ref.accepted.tolist()
+        assert tok.tolist() == ref.tokens.tolist()
