@@ -517,6 +517,7 @@ class StaticDFlashDrafter:
         self.slot_of.pop(rid, None)
 
     def context_len(self, rid: int) -> int:
+        """Context positions appended for ``rid`` (a staged round is appended by the next ``propose``)."""
         return int(self.ctx_len[self.slot_of[rid]])
 
     @torch.no_grad()
