@@ -138,11 +138,13 @@ def replay_label(a: float, synthetic_decisions: bool = False) -> str:
 
 
 def load_target(directory: str | Path, deployment: str | None = None, *, device: str = "cpu",
-                seed: int = 0, ctx: TPContext | None = None) -> TargetModel:
+                seed: int = 0, ctx: TPContext | None = None, invariant: bool = False) -> TargetModel:
     """The checkpoint's target. CPU: projections dequantized once into FP32 ``nn.Linear`` (the CPU
     fallback would dequantize on every call); CUDA: the generated kernels via a KernelLibrary.
     ctx (world size > 1, from :func:`~.parallel.init_tp`): this rank's shard (CUDA: on ``ctx.device``;
-    CPU: the wrapped shards' projections dequantized in place)."""
+    CPU: the wrapped shards' projections dequantized in place).
+    invariant (CUDA, TP1): batch-invariant projections (:mod:`~.invariance`): kernels at every M and
+    fixed-shape FP16 projections, for greedy byte-identity across batch sizes; slower."""
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -157,7 +159,22 @@ def load_target(directory: str | Path, deployment: str | None = None, *, device:
     if device == "cuda":
         from .library import KernelLibrary
 
-        return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(), seed=seed)
+        if not invariant:
+            return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(), seed=seed)
+        from .invariance import FixedShapeLinear, invariant_table
+        from .library import default_table_path
+        from .table import TuningTable
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        lib = KernelLibrary(dev, table=invariant_table(TuningTable.load(default_table_path(dev))))
+        target = TargetModel.from_checkpoint(path, cfg, dep, library=lib, seed=seed)
+        for md in target.proj:
+            for name, m in list(md.items()):
+                if isinstance(m, torch.nn.Linear):  # FP16 projections (cuBLAS): one GEMM shape
+                    md[name] = FixedShapeLinear(m)
+        if isinstance(target.lm_head, torch.nn.Linear):
+            target.lm_head = FixedShapeLinear(target.lm_head)
+        return target
     q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32)
     projs = dequantized_projections(q)
     return TargetModel(cfg, projs, NonLinearWeights.from_checkpoint(path, cfg, seed=seed), device="cpu",
@@ -579,6 +596,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graphs", action="store_true",
                    help="run the verify forward, rollback and draft pass eagerly (same kernels and shapes as the "
                         "CUDA graphs, bitwise-identical tokens)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: generated kernels at every M and fixed-shape FP16 projections, so greedy outputs "
+                        "are byte-identical across B (slower: a correctness run)")
     p.add_argument("--sampler", choices=("compact", "dense"), default=None,
                    help="rejection sampling: the generated compact kernel (default on CUDA) or the dense torch path")
     p.add_argument("--no-warmup", action="store_true")
@@ -658,7 +678,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                     dist.barrier()  # written before any rank loads
             elif ckpt is None:
                 raise ValueError("give a checkpoint directory or --synthetic")
-            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed, ctx=ctx)
+            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed, ctx=ctx,
+                                 invariant=args.batch_invariant)
             if ctx is not None:
                 dist.barrier()  # every rank loaded before rank 0 removes its temp dir
         report = run_decode_bench(target, cfg, command=command, log=log)

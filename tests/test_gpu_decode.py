@@ -79,12 +79,13 @@ def test_compact_accept_override_and_generic_vocab() -> None:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory):
     """The first 4 Qwen3.8-27B layers (3 GDN + 1 full attention) + the full vocab, NVFP4, through the
-    kernel library (generated kernels where the H200 table admits them, the fallback elsewhere)."""
+    kernel library in batch-invariant mode: generated kernels at every M, the FP16 lm_head at one GEMM
+    shape (runtime/invariance.py)."""
     from dflashgen.runtime.decode_bench import load_target, write_synthetic
 
     out = tmp_path_factory.mktemp("qwen38-4l")
     write_synthetic(out, None, 4, "nvfp4", seed=0, device="cuda")
-    return load_target(out, "nvfp4", device="cuda")
+    return load_target(out, "nvfp4", device="cuda", invariant=True)  # batch-invariant projections
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:

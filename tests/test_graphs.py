@@ -73,3 +73,26 @@ def test_eager_steps_equal_a_plain_armed_forward(model: TargetModel, tmp_path: P
     assert a.lengths.tolist() == [3, 8, 0, 0]
     for i in b.ssm:
         assert torch.equal(a.ssm[i][:2], b.ssm[i]) and torch.equal(a.conv[i][:2], b.conv[i])
+
+
+def test_invariant_table_and_fixed_shape_linear() -> None:
+    from dflashgen.runtime.invariance import ANY_M, FixedShapeLinear, invariant_table
+    from dflashgen.runtime.table import TuningTable
+
+    src = Path(__file__).parents[1] / "tuning" / "nvidia-h200.json"
+    table = TuningTable.load(src)
+    inv = invariant_table(table)
+    for key in table.problems():
+        kernels = {b["kernel"] for b in table.problems()[key]["buckets"] if b["path"] == "kernel"}
+        for m in (1, 8, 16, 24, 32, 64, 1023, 8184):
+            got = inv.lookup(key, m)
+            if kernels:
+                assert got.path == "kernel" and got.kernel in kernels, (key, m)
+            else:
+                assert got.path == "fallback"
+    assert inv.lookup(next(iter(table.problems())), ANY_M + 1).path == "fallback"  # beyond: unchanged rule
+    lin = torch.nn.Linear(16, 5, bias=False)
+    fixed = FixedShapeLinear(lin, rows=4)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(fixed(x), lin(x))
+    assert fixed(x[:1, :3]).shape == (1, 3, 5) and fixed.weight is lin.weight
