@@ -63,7 +63,7 @@ import torch.distributed as dist
 from dflashgen.deployment import load_deployment
 from dflashgen.model import ModelConfig, load_model_config, parse_model_config
 
-from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, block_drafter_cost
+from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, StaticDFlashDrafter, block_drafter_cost
 from .parallel import RowParallel, TPContext, init_tp
 from .sampling import SamplingParams
 from .spec_decode import Drafter, NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
@@ -138,11 +138,13 @@ def replay_label(a: float, synthetic_decisions: bool = False) -> str:
 
 
 def load_target(directory: str | Path, deployment: str | None = None, *, device: str = "cpu",
-                seed: int = 0, ctx: TPContext | None = None) -> TargetModel:
+                seed: int = 0, ctx: TPContext | None = None, invariant: bool = False) -> TargetModel:
     """The checkpoint's target. CPU: projections dequantized once into FP32 ``nn.Linear`` (the CPU
     fallback would dequantize on every call); CUDA: the generated kernels via a KernelLibrary.
     ctx (world size > 1, from :func:`~.parallel.init_tp`): this rank's shard (CUDA: on ``ctx.device``;
-    CPU: the wrapped shards' projections dequantized in place)."""
+    CPU: the wrapped shards' projections dequantized in place).
+    invariant (CUDA, TP1): batch-invariant projections (:mod:`~.invariance`): kernels at every M and
+    fixed-shape FP16 projections, for greedy byte-identity across batch sizes; slower."""
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -157,7 +159,22 @@ def load_target(directory: str | Path, deployment: str | None = None, *, device:
     if device == "cuda":
         from .library import KernelLibrary
 
-        return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(), seed=seed)
+        if not invariant:
+            return TargetModel.from_checkpoint(path, cfg, dep, library=KernelLibrary(), seed=seed)
+        from .invariance import FixedShapeLinear, invariant_table
+        from .library import default_table_path
+        from .table import TuningTable
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        lib = KernelLibrary(dev, table=invariant_table(TuningTable.load(default_table_path(dev))))
+        target = TargetModel.from_checkpoint(path, cfg, dep, library=lib, seed=seed)
+        for md in target.proj:
+            for name, m in list(md.items()):
+                if isinstance(m, torch.nn.Linear):  # FP16 projections (cuBLAS): one GEMM shape
+                    md[name] = FixedShapeLinear(m)
+        if isinstance(target.lm_head, torch.nn.Linear):
+            target.lm_head = FixedShapeLinear(target.lm_head)
+        return target
     q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32)
     projs = dequantized_projections(q)
     return TargetModel(cfg, projs, NonLinearWeights.from_checkpoint(path, cfg, seed=seed), device="cpu",
@@ -218,9 +235,10 @@ def _model_config(spec: str | None, layers: int | None) -> ModelConfig:
 
 
 def write_synthetic(directory: str | Path, model: str | None, layers: int | None, deployment: str | None,
-                    seed: int = 0) -> ModelConfig:
+                    seed: int = 0, device: str = "cpu") -> ModelConfig:
+    """device="cuda": draw and quantize on the GPU (the full 27B checkpoint in seconds, not minutes)."""
     return write_synthetic_checkpoint(directory, _model_config(model, None), load_deployment(deployment),
-                                      seed=seed, layers=layers)
+                                      seed=seed, layers=layers, device=device)
 
 
 def drafter_config_for(cfg: ModelConfig) -> DrafterConfig:
@@ -257,6 +275,8 @@ class BenchConfig:
     max_len: int | None = None  # default prompt_len + output_len
     warmup: bool = True
     synthetic: bool = True  # replay + sampled verification: synthetic accept/reject decisions (benchmark only)
+    graphs: bool = True  # CUDA graphs for the target steps and the draft pass (on CUDA); False: eager
+    sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
 
     @property
     def synthetic_acceptance(self) -> bool:
@@ -324,17 +344,37 @@ def _params_for(cfg: BenchConfig, n: int) -> list[SamplingParams]:
 
 
 def _make_drafter(cfg: BenchConfig, target: TargetModel, block: BlockDrafter | None,
-                  continuations: list[list[int]] | None) -> Drafter:
+                  continuations: list[list[int]] | None, max_batch: int = MAX_BATCH,
+                  max_len: int | None = None) -> Drafter:
+    """On CUDA the block drafter runs over static slots (one CUDA graph per batch size, fed the real
+    target taps); on CPU the per-request DFlashDrafter (replay: random stand-in taps)."""
     if cfg.drafter == "ngram":
         return NgramDrafter(num_draft=NUM_DRAFT)
     assert block is not None
+    static = None
+    if target.device.type == "cuda" and getattr(target, "tp", 1) == 1:
+        static = StaticDFlashDrafter(block, max_batch, max_len or cfg.prompt_len + cfg.output_len,
+                                     graphs=cfg.graphs, seed=cfg.seed)
     if cfg.drafter == "dflash":
-        return DFlashDrafter(block, cfg.seed)
+        return static or DFlashDrafter(block, cfg.seed)
     assert continuations is not None
     d = ReplayDrafter(continuations, cfg.acceptance, NUM_DRAFT, seed=cfg.seed,
-                      cost_model=block_drafter_cost(block, cfg.seed), synthetic_acceptance=cfg.synthetic_acceptance)
+                      cost_model=static or block_drafter_cost(block, cfg.seed),
+                      synthetic_acceptance=cfg.synthetic_acceptance)
     d.label = replay_label(cfg.acceptance, cfg.synthetic_acceptance)
     return d
+
+
+def replay_continuations(target: TargetModel, prompts: Sequence[Sequence[int]], n: int,
+                         cfg: BenchConfig) -> list[list[int]]:
+    """The replay drafter's "right" tokens (n per prompt, D more than the output so drafts near the end
+    are real). Greedy verification needs the target's own greedy continuation (plain decoding, one
+    token per forward). Under synthetic acceptance the accept decisions are the drafter's coins and
+    the tokens' content never changes the work, so seeded random tokens stand in (saving the
+    prompts x n single-token forwards: minutes at full size)."""
+    if cfg.synthetic_acceptance:
+        return make_prompts(len(prompts), n, target.cfg.vocab_size, cfg.seed + 1)
+    return [plain_greedy(target, p, n) for p in prompts]
 
 
 def _median(v: Sequence[float]) -> float | None:
@@ -352,17 +392,18 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     block = _block_drafter(target, cfg.seed) if cfg.drafter in ("replay", "dflash") else None
     conts = None
     if cfg.drafter == "replay":
-        # The greedy continuation (+ D so drafts near the end are real): the replay's "right" tokens.
         if log:
-            log(f"replay: greedy continuations of {cfg.prompts} prompts ...")
-        conts = [plain_greedy(target, p, cfg.output_len + NUM_DRAFT) for p in prompts]
-    label = _make_drafter(cfg, target, block, conts).label
+            log(f"replay: continuations of {cfg.prompts} prompts ...")
+        conts = replay_continuations(target, prompts, cfg.output_len + NUM_DRAFT, cfg)
+    label = _make_drafter(cfg, target, block, conts, 1, max_len).label
     rows: list[dict[str, Any]] = []
+    dec_info: dict[str, Any] = {}
     b1_outputs: list[list[int]] | None = None
     for b in cfg.batches:
-        dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts), max_batch=b, max_len=max_len,
-                          num_draft=NUM_DRAFT)
-        if cfg.warmup:  # first-call costs (allocations, lazy init) stay out of the measured run
+        dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
+                          num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler)
+        dec_info = {"graphs": dec.steps.capture_enabled, "sampler": dec.sampler}
+        if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
         dec.observer = clock
@@ -403,7 +444,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     where = target.device.type + (f" x TP{tp}" if tp > 1 else "")
     header = (f"{label}; target {tc.source} ({tc.num_hidden_layers} layers, vocab {tc.vocab_size}) on "
               f"{where}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
-              f"output tokens; q{NUM_DRAFT}; {sampling}")
+              f"output tokens; q{NUM_DRAFT}; {sampling}; "
+              f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling")
     note = None
     if cfg.synthetic_acceptance:
         note = (f"SYNTHETIC ACCEPTANCE (benchmark only): each draft's accept/reject decision under sampled "
@@ -430,7 +472,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
                    "sampling": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k},
                    "seed": cfg.seed, "max_len": max_len, "num_draft": NUM_DRAFT,
                    "model": tc.source, "layers": tc.num_hidden_layers, "device": target.device.type,
-                   "tp": tp},
+                   "tp": tp, "graphs": dec_info.get("graphs"), "sampler": dec_info.get("sampler")},
         "rows": rows,
     }
 
@@ -492,9 +534,9 @@ def run_demo(model: str = "tiny", layers: int | None = None, *, prompts: int = 4
         target = load_target(tmp, deployment, seed=seed)
     ps = make_prompts(prompts, prompt_len, target.cfg.vocab_size, seed)
     block = _block_drafter(target, seed) if drafter != "ngram" else None
-    conts = [plain_greedy(target, p, output_len + NUM_DRAFT) for p in ps] if drafter == "replay" else None
-    dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts), max_batch=batch,
-                      max_len=prompt_len + output_len, num_draft=NUM_DRAFT)
+    conts = replay_continuations(target, ps, output_len + NUM_DRAFT, cfg) if drafter == "replay" else None
+    dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, batch, prompt_len + output_len),
+                      max_batch=batch, max_len=prompt_len + output_len, num_draft=NUM_DRAFT)
     out(f"demo: {dec.stats.label}")
     out(f"target {target.cfg.source} ({target.cfg.num_hidden_layers} layers), {prompts} prompts x {prompt_len} "
         f"tokens -> {output_len}, B={batch}")
@@ -551,6 +593,14 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--max-len", type=int, default=None, help="tokens per request (default prompt + output)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="run the verify forward, rollback and draft pass eagerly (same kernels and shapes as the "
+                        "CUDA graphs, bitwise-identical tokens)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: generated kernels at every M and fixed-shape FP16 projections, so greedy outputs "
+                        "are byte-identical across B (slower: a correctness run)")
+    p.add_argument("--sampler", choices=("compact", "dense"), default=None,
+                   help="rejection sampling: the generated compact kernel (default on CUDA) or the dense torch path")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
     p.add_argument("--tp", type=int, default=1,
@@ -579,7 +629,7 @@ def _launch_tp(args: argparse.Namespace, argv: list[str]) -> int:
         if args.synthetic:
             ckpt = ckpt or tmp
             _log(f"writing a synthetic checkpoint to {ckpt} ...")
-            write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+            write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed, args.device)
         elif ckpt is None:
             raise ValueError("give a checkpoint directory or --synthetic")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.tp}",
@@ -598,7 +648,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
-                          not args.no_synthetic_acceptance)
+                          not args.no_synthetic_acceptance, not args.no_graphs, args.sampler)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")
@@ -620,12 +670,16 @@ def _run_bench(args: argparse.Namespace) -> int:
                     ckpt = box[0]
                 if rank == 0:
                     _log(f"writing a synthetic checkpoint to {ckpt} ...")
-                    write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed)
+                    t_w = time.perf_counter()
+                    write_synthetic(ckpt, args.model, args.layers, args.deployment, args.seed,
+                                    "cuda" if args.device == "cuda" and rank == 0 else "cpu")
+                    _log(f"synthetic checkpoint written in {time.perf_counter() - t_w:.1f} s")
                 if ctx is not None:
                     dist.barrier()  # written before any rank loads
             elif ckpt is None:
                 raise ValueError("give a checkpoint directory or --synthetic")
-            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed, ctx=ctx)
+            target = load_target(ckpt, args.deployment, device=args.device, seed=args.seed, ctx=ctx,
+                                 invariant=args.batch_invariant)
             if ctx is not None:
                 dist.barrier()  # every rank loaded before rank 0 removes its temp dir
         report = run_decode_bench(target, cfg, command=command, log=log)

@@ -33,7 +33,7 @@ from .sampling import sample_categorical, target_probs
 from .spec_decode import RequestContext
 from .target import TargetModel
 
-__all__ = ["BlockDrafter", "DFlashDrafter", "DrafterConfig", "block_drafter_cost"]
+__all__ = ["BlockDrafter", "DFlashDrafter", "DrafterConfig", "StaticDFlashDrafter", "block_drafter_cost"]
 
 Tensor = torch.Tensor
 KV = list[tuple[Tensor, Tensor]]  # per drafter layer: (K, V) [L, Hkv, D]
@@ -293,6 +293,38 @@ class BlockDrafter(torch.nn.Module):
         return _rms_norm(h, self.norm.weight.float(), eps)
 
     @torch.no_grad()
+    def forward_embeds_static(self, x: Tensor, ctx_len: Tensor, context: KV) -> Tensor:
+        """:meth:`forward_embeds` over static per-slot context caches: ``context[layer] = (K, V)``
+        ``[B, capacity, Hkv, D]`` of which the first ``ctx_len[b]`` positions are request b's (the rest
+        masked); the block sits at positions ``ctx_len[b] + s``. Static shapes, no host sync (CUDA-graph
+        capturable); the same math as :meth:`forward_embeds` up to FP32 summation order."""
+        cfg, (b, s, _) = self.cfg, x.shape
+        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        g = nh // nkv
+        pos = ctx_len[:, None] + torch.arange(s, device=x.device)
+        cap = context[0][0].shape[1]
+        visible = torch.cat((torch.arange(cap, device=x.device) < ctx_len[:, None],
+                             torch.ones(b, s, dtype=torch.bool, device=x.device)), dim=1)  # [B, cap + S]
+        h = x.float()
+        for li, layer in enumerate(self._layers()):
+            att = layer.self_attn
+            y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
+            q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
+            k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
+            v = self._lin(att.v_proj, y).view(b, s, nkv, d)
+            kc, vc = context[li]
+            kr = torch.cat((kc.float(), k), 1).permute(0, 2, 3, 1)  # [B, Hkv, D, cap + S]
+            vr = torch.cat((vc.float(), v), 1).permute(0, 2, 1, 3)  # [B, Hkv, cap + S, D]
+            qr = q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
+            sc = ((qr @ kr) * d**-0.5).masked_fill(~visible[:, None, None], float("-inf"))  # no causal mask
+            o = (sc.softmax(-1) @ vr).view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
+            h = h + self._lin(att.o_proj, o)
+            y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
+            mlp = layer.mlp
+            h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
+        return _rms_norm(h, self.norm.weight.float(), eps)
+
+    @torch.no_grad()
     def forward(self, tokens: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:
         """Block tokens ``[B, S]`` -> logits ``[B, S - 1, V]`` of positions 1.. (the mask positions)."""
         return self.logits(self.forward_embeds(self.embed(tokens), start, context)[:, 1:])
@@ -433,3 +465,151 @@ def block_drafter_cost(drafter: BlockDrafter | DFlashDrafter, seed: int = 0,
         dd.propose(contexts)
 
     return cost
+
+
+class StaticDFlashDrafter:
+    """A DFlash2 drafter over static per-slot buffers, so one round's draft work is one CUDA graph
+    per batch size (:class:`~dflashgen.runtime.spec_decode.SpecDecoder` drives it by slot).
+
+    Per slot (the decoder's request slot, via ``assign``): context K/V of every drafter layer in a
+    preallocated ``[max_batch, capacity, Hkv, D]`` cache and its length ``ctx_len``. The decoder
+    stages the last verify round's tapped hidden states of all slots at once (``observe_round``:
+    ``[b, T, len(taps) * H]`` with each slot's base position and kept count); the next ``propose``
+    replays one step -- append the staged positions' context K/V (all T written, only the kept ones
+    counted), then the non-causal block forward over [pending token, masks] attending to each slot's
+    context (positions past ``ctx_len`` masked) and the lm_head -- and returns drafts from its logits.
+    Prompts (``observe`` at start 0) are appended eagerly. ``graphs=False`` runs the same step
+    eagerly (bitwise-identical); graphs are captured by ``capture()`` while no request is in flight.
+    """
+
+    needs_taps = True
+
+    def __init__(self, model: BlockDrafter, max_batch: int, max_len: int, positions: int | None = None, *,
+                 graphs: bool | None = None, seed: int = 0) -> None:
+        cfg = model.cfg
+        self.model, self.num_draft, self.taps = model, cfg.num_draft, cfg.target_layers
+        self.positions = positions or cfg.block_size  # verify positions staged per round
+        self.label = f"dflash2 block drafter (block {cfg.block_size}, static slots)"
+        self.max_batch, self.capacity = max_batch, max_len + self.positions
+        dev = model.device
+        self.graphs = dev.type == "cuda" if graphs is None else graphs
+        width = len(cfg.target_layers) * cfg.target_hidden_size
+        shape = (max_batch, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
+        self.ctx_len = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(max_batch, self.positions, width, device=dev)
+        self.h_base = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.h_keep = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.block = torch.full((max_batch, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.slot_of: dict[int, int] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+        self._graphs: dict[int, tuple[Any, Tensor]] = {}
+
+    # ------------------------------------------------------------------ decoder hooks
+
+    def assign(self, rid: int, slot: int) -> None:
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"slot {slot} outside the drafter's {self.max_batch} slots")
+        self.slot_of[rid] = slot
+
+    def release(self, rid: int) -> None:
+        self.slot_of.pop(rid, None)
+
+    def context_len(self, rid: int) -> int:
+        """Context positions appended for ``rid`` (a staged round is appended by the next ``propose``)."""
+        return int(self.ctx_len[self.slot_of[rid]])
+
+    @torch.no_grad()
+    def observe(self, rid: int, start: int, hidden: Tensor) -> None:
+        """Eager append (prompts): positions ``start..`` of request ``rid``'s slot; later ones are stale."""
+        s = self.slot_of[rid]
+        n = hidden.shape[0]
+        if start + n > self.capacity:
+            raise ValueError(f"request {rid}: context of {start + n} positions exceeds {self.capacity}")
+        if n:
+            pos = torch.arange(start, start + n, device=self.ctx_len.device)
+            for layer, (k, v) in enumerate(self.model.context_kv(hidden, pos)):
+                self.k[layer][s, start:start + n] = k
+                self.v[layer][s, start:start + n] = v
+        self.ctx_len[s] = start + n
+        self.h_base[s], self.h_keep[s] = start + n, 0  # nothing staged for this slot
+
+    def observe_round(self, hidden: Tensor, base: Tensor, keep: Tensor) -> None:
+        """Stage a verify round of slots ``[0, b)``: hidden ``[b, T, width]``, base positions and kept
+        counts ``[b]`` (0 for empty slots); appended by the next ``propose``."""
+        b = hidden.shape[0]
+        self.hidden[:b].copy_(hidden)
+        self.h_base[:b].copy_(base)
+        self.h_keep[:b].copy_(keep)
+
+    # ------------------------------------------------------------------ the step
+
+    def _step(self, b: int) -> Tensor:
+        m = self.model
+        t, dev = self.positions, self.ctx_len.device
+        # 1. append the staged round (every position written; only the kept ones counted)
+        pos = self.h_base[:b, None] + torch.arange(t, device=dev)  # [b, T]
+        kv = m.context_kv(self.hidden[:b].reshape(b * t, -1), pos.reshape(-1))
+        rows = torch.arange(b, device=dev)[:, None]
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer][rows, pos] = k.view(b, t, *k.shape[1:])
+            self.v[layer][rows, pos] = v.view(b, t, *v.shape[1:])
+        self.ctx_len[:b].copy_(self.h_base[:b] + self.h_keep[:b])
+        self.h_base[:b].copy_(self.ctx_len[:b])
+        self.h_keep[:b].zero_()
+        # 2. the block forward over each slot's context (positions >= ctx_len masked) + the lm_head
+        h = m.forward_embeds_static(m.embed(self.block[:b]), self.ctx_len[:b],
+                                    [(k[:b], v[:b]) for k, v in zip(self.k, self.v, strict=True)])
+        return m.logits(h[:, 1:])
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """One CUDA graph per batch size (no-op for eager steps or when done); needs no request in flight."""
+        if not self.graphs or self._graphs:
+            return
+        self.h_keep.zero_()
+        self.h_base.copy_(self.ctx_len)
+        side = torch.cuda.Stream(device=self.ctx_len.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in range(1, self.max_batch + 1):
+                for _ in range(2):
+                    self._step(b)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for b in range(1, self.max_batch + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._step(b)
+            self._graphs[b] = (g, out)
+        self.ctx_len.zero_()
+        self.h_base.zero_()
+        torch.cuda.synchronize(self.ctx_len.device)
+
+    @torch.no_grad()
+    def draft_logits(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, list[int]]:
+        slots = [self.slot_of[c.rid] for c in contexts]
+        b = max(slots) + 1
+        tok = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long)
+        self.block[torch.tensor(slots, device=self.block.device), 0] = tok.to(self.block.device)
+        if b in self._graphs:
+            g, out = self._graphs[b]
+            g.replay()
+            return out, slots
+        return self._step(b), slots
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
+        logits, slots = self.draft_logits(contexts)
+        logits = logits[torch.tensor(slots, device=logits.device)]
+        params = [c.params for c in contexts]
+        tokens = logits.argmax(-1)
+        if all(p.greedy for p in params):
+            return tokens, None  # verification ignores q for greedy requests
+        q = target_probs(logits, params)
+        b, d, v = q.shape
+        u = torch.rand(b * d, generator=self.gen).to(logits.device)
+        sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(greedy[:, None], tokens, sampled), q

@@ -4,11 +4,15 @@ One round for a uniform decode batch: request ``b`` proposes ``D`` draft tokens,
 ``D + 1`` positions, and ``verify`` returns how many drafts are accepted plus one recovered (first
 rejection) or bonus (all accepted) token. The procedure reproduces the target distribution exactly.
 
+Exactness: verification runs on integer weights ``w = floor(exp(x - max) * 2^32)`` of the kept set
+(:func:`target_weights`, p = w / sum(w)); sums and prefix sums are exact in int64 whatever their
+order, and every comparison with a uniform is one float64 expression, so a fused kernel computing
+the same float32 ``exp`` reproduces every accept decision and every sampled token bit for bit.
+
 Randomness is an input, never drawn inside: ``Uniforms.accept[b, i]`` decides draft ``i`` and
 ``Uniforms.sample[b, n]`` draws the token emitted at position ``n = accepted[b]`` (later uniforms
 are unused). Categoricals are sampled by ``sample_categorical`` (inverse CDF over token ids in
-ascending order), so a fused kernel given the same float32 uniforms reproduces this path; results
-can only differ where a uniform falls within the rounding of a float32 CDF boundary.
+ascending order, exact on integer weights).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "Uniforms", "VerifyResult", "sample_categorical", "target_probs", "verify"]
+__all__ = ["FIXED_SCALE", "SamplingParams", "Uniforms", "VerifyResult", "sample_categorical", "target_probs",
+           "target_weights", "verify"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MASK64 = (1 << 64) - 1
@@ -147,13 +152,12 @@ def _param_tensors(
     return temp, top_k, top_p, temp == 0
 
 
-def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits`` [B, T, V] -> float32 probabilities [B, T, V]: temperature, top-k, top-p, renormalise.
+FIXED_SCALE = 2.0**32  # probability weights as integers: floor(exp(x - max) * 2^32) <= 2^32
 
-    Ranking is by scaled logit, ties broken by lower token id (top-k keeps the lower ids; top-p keeps
-    the smallest prefix of that order whose mass reaches ``top_p``, on the top-k-renormalised
-    distribution). Greedy requests get a one-hot at the argmax (lowest id among ties).
-    """
+
+def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor, torch.Tensor]:
+    """(logits / temperature, top_k, top_p, greedy) with the input checks of every entry point."""
     _check(logits, "logits", "[B, T, V]", None, _FLOATS)
     B, T, V = logits.shape
     if V == 0:
@@ -163,20 +167,61 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     x = logits.float() / torch.where(greedy, 1.0, temp).view(B, 1, 1)
     if bool((torch.isnan(x) | torch.isposinf(x)).any()) or not bool(torch.isfinite(x).any(-1).all()):
         raise ValueError("logits (after temperature) must be free of NaN/+inf with a finite entry in every row")
+    return x, top_k, top_p, greedy
 
+
+def _weights(x: torch.Tensor) -> torch.Tensor:
+    """Fixed-point weights floor(exp(x - max) * 2^32), int64: sums and prefix sums are exact (any
+    order), so a kernel reproduces every decision bit for bit from the same float32 exp."""
+    return (torch.exp(x - x.amax(-1, keepdim=True)) * FIXED_SCALE).floor().long()
+
+
+def _kept(x: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """(kept mask [B, T, V], descending order): top-k, then top-p on the top-k set. Ranking by scaled
+    logit, ties by lower id; top-p keeps the smallest prefix whose fixed-point mass before it is
+    below top_p times the top-k mass (exact integer prefix sums; top_p compared as float32 x int64
+    in float64)."""
+    B, T, V = x.shape
     # Stable descending sort: equal logits keep ascending id order, so every tie is decided by id.
-    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    _, order = torch.sort(x, dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=x.device)
     keep = (rank < torch.where(top_k == 0, V, top_k).view(B, 1, 1)).expand(B, T, V)
-    cum = torch.softmax(sorted_x.masked_fill(~keep, -math.inf), dim=-1).cumsum(-1)
-    mass_before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
-    # top_p == 1 is "off" explicitly: the float32 prefix mass may reach 1.0 before the tail.
-    keep = keep & ((mass_before < top_p.view(B, 1, 1)) | (top_p >= 1).view(B, 1, 1))
-    mask = torch.zeros_like(keep).scatter(-1, order, keep)
-    probs = torch.softmax(x.masked_fill(~mask, -math.inf), dim=-1)
+    ws = w.gather(-1, order).masked_fill(~keep, 0)
+    mass_before = ws.cumsum(-1) - ws
+    limit = top_p.double().view(B, 1, 1) * ws.sum(-1, keepdim=True).double()
+    # top_p == 1 is "off" explicitly (no rounding can cut the tail).
+    keep = keep & ((mass_before.double() < limit) | (top_p >= 1).view(B, 1, 1))
+    return torch.zeros_like(keep).scatter(-1, order, keep), order
 
-    one_hot = torch.nn.functional.one_hot(order[..., 0], V).to(torch.float32)
-    return torch.where(greedy.view(B, 1, 1), one_hot, probs)
+
+def target_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer target weights ``w`` [B, T, V] int64 and their sums ``z`` [B, T]: the exact form of
+    :func:`target_probs` that verification uses (p = w / z). Weights are floor(exp(x - max) * 2^32)
+    on the kept set, so a token more than ln(2^32) ~ 22.2 (scaled) logits below the maximum has
+    weight 0 (probability below 2.3e-10 of the top token's): the only departure from the softmax.
+    Greedy rows: weight 1 at the argmax (lowest id among ties)."""
+    x, top_k, top_p, greedy = _scaled(logits, params)
+    w = _weights(x)
+    mask, order = _kept(x, w, top_k, top_p)
+    w = w.masked_fill(~mask, 0)
+    one_hot = torch.nn.functional.one_hot(order[..., 0], x.shape[-1])
+    w = torch.where(greedy.view(-1, 1, 1), one_hot, w)
+    return w, w.sum(-1)
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` [B, T, V] -> float32 probabilities [B, T, V]: temperature, top-k, top-p, renormalise.
+
+    Ranking is by scaled logit, ties broken by lower token id (top-k keeps the lower ids; top-p keeps
+    the smallest prefix of that order whose mass reaches ``top_p``, on the top-k-renormalised
+    distribution). Greedy requests get a one-hot at the argmax (lowest id among ties).
+    """
+    x, top_k, top_p, greedy = _scaled(logits, params)
+    mask, order = _kept(x, _weights(x), top_k, top_p)
+    probs = torch.softmax(x.masked_fill(~mask, -math.inf), dim=-1)
+    one_hot = torch.nn.functional.one_hot(order[..., 0], x.shape[-1]).to(torch.float32)
+    return torch.where(greedy.view(-1, 1, 1), one_hot, probs)
 
 
 def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -185,9 +230,12 @@ def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``cdf = cumsum(weights)`` over ids in ascending order; the result is the first id with
     ``cdf > u * cdf[-1]``. If rounding pushes the threshold past the end, the last id with positive
     weight is returned (never a zero-weight id). Rows without positive weight return -1.
+    Integer weights (int64) are sampled exactly: threshold ``floor(u * total)`` in float64.
     """
     cdf = weights.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    exact = weights.dtype == torch.long
+    thr = (u.double() * cdf[:, -1].double()).floor().long() if exact else u * cdf[:, -1]
+    idx = torch.searchsorted(cdf, thr.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
     ids = torch.arange(weights.shape[-1], device=weights.device)
     last = torch.where(weights > 0, ids, -1).amax(-1)
     return torch.minimum(idx, last)
@@ -238,35 +286,37 @@ def verify(
         if not bool((torch.isfinite(q) & (q >= 0)).all()):
             raise ValueError("draft_probs must be finite and >= 0")
 
-    p = target_probs(target_logits, params)
+    w, z = target_weights(target_logits, params)
     greedy = _param_tensors(params, B, dev)[3]
     rows = torch.arange(B, device=dev)
 
-    # Acceptance tests for all positions at once; the accepted count is the leading run.
-    p_x = p[:, :D].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    # Acceptance tests for all positions at once, exact on the integer weights (p = w / z):
+    # u < p(x)  <=>  u * z < w(x);  u * q(x) <= p(x)  <=>  (u * q(x)) * z <= w(x), in float64.
+    w_x = w[:, :D].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    z_d = z[:, :D].double()
     if q is None:
-        ok = u_acc < p_x
+        ok = u_acc.double() * z_d < w_x.double()
     else:
         q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
-        ok = (p_x > 0) & (u_acc * q_x <= p_x)  # p(x) > 0: never emit a token the target excludes
+        ok = (w_x > 0) & (u_acc.double() * q_x.double() * z_d <= w_x.double())  # never emit p(x) = 0
     if accept_override is not None:
         ok = _check(accept_override, "accept_override", "[B, D]", (B, D), (torch.bool,), dev)
-    ok = torch.where(greedy.unsqueeze(-1), draft_tokens == p[:, :D].argmax(-1), ok)
+    ok = torch.where(greedy.unsqueeze(-1), draft_tokens == w[:, :D].argmax(-1), ok)
     accepted = ok.long().cumprod(-1).sum(-1) if D else torch.zeros(B, dtype=torch.long, device=dev)
 
     # One token per request at position n = accepted: recovery if n < D, else bonus from p.
-    p_n = p[rows, accepted]
-    residual = p_n
+    w_n = w[rows, accepted]
+    residual = w_n
     if D:
         n = accepted.clamp(max=D - 1)
         if q is None:
-            res = p_n.scatter(-1, draft_tokens[rows, n].unsqueeze(-1), 0.0)
-        else:
-            res = (p_n - q[rows, n]).clamp_min(0.0)
-        residual = torch.where((accepted < D).unsqueeze(-1), res, p_n)
-        residual = torch.where((residual > 0).any(-1, keepdim=True), residual, p_n)
+            res = w_n.scatter(-1, draft_tokens[rows, n].unsqueeze(-1), 0)
+        else:  # max(p - q, 0) * z = max(w - floor(q * z), 0)
+            res = (w_n - (q[rows, n].double() * z[rows, accepted].double()[:, None]).floor().long()).clamp_min(0)
+        residual = torch.where((accepted < D).unsqueeze(-1), res, w_n)
+        residual = torch.where((residual > 0).any(-1, keepdim=True), residual, w_n)
     token = sample_categorical(residual, u_smp[rows, accepted])
-    token = torch.where(greedy, p_n.argmax(-1), token)
+    token = torch.where(greedy, w_n.argmax(-1), token)
 
     pos = torch.arange(D, device=dev)
     tokens = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)

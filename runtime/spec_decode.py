@@ -24,8 +24,15 @@ and ``drafter.release(rid)`` when a request finishes. Observing is timed as ``dr
 
 Capacity: a request may hold ``max_len`` tokens (prompt + generated). The verify forward writes
 ``D + 1`` positions past ``len(history) - 1``, so the state is allocated with ``max_len + D``
-positions (the overshoot is rolled back). Empty slots ride along in the verify forward as padding
-(their length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+positions (the overshoot is rolled back). A round runs slots ``[0, b)`` with ``b`` = the highest active
+slot + 1 (admission fills the lowest free slot); empty slots below it ride along as padding (their
+length stays 0 through the rollback); finished slots are ``reset`` and reused by queued requests.
+
+CUDA graphs (default on a CUDA target without TP): the verify forward and the rollback replay graphs
+captured per batch size (:class:`~.graphs.DecodeGraphs`), as does a static-slot drafter's draft pass;
+``graphs=False`` runs the same steps eagerly, bitwise-identical. Sampling: the generated compact
+rejection kernel on CUDA (``sampler="compact"``, :mod:`~.rejection`), the dense torch path on CPU or
+with ``sampler="dense"``; both consume the same uniforms and give the same tokens.
 
 Synthetic acceptance (benchmark only): a drafter with ``synthetic_acceptance = True`` (the
 :class:`ReplayDrafter` option) supplies ``accept_decisions(contexts) -> [B, D] bool`` each round, and
@@ -59,8 +66,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .graphs import DecodeGraphs
 from .parallel import broadcast_from_first
-from .sampling import SamplingParams, Uniforms, verify
+from .sampling import SamplingParams, Uniforms, VerifyResult, verify
 from .target import DecodeState, TargetModel
 
 __all__ = [
@@ -78,6 +86,7 @@ __all__ = [
 Tensor = torch.Tensor
 DraftOutput = Tensor | tuple[Tensor, Tensor | None]
 PHASES = ("draft", "target", "sample", "host")
+MAX_GRAPH_BATCH = 8  # CUDA graphs are captured for B = 1..8
 
 
 # --------------------------------------------------------------------------- drafters
@@ -191,6 +200,15 @@ class ReplayDrafter:
         self.continuations = [list(c) for c in continuations]
         self.acceptance, self.num_draft, self.seed, self.cost_model = acceptance, num_draft, seed, cost_model
         self.synthetic_acceptance = bool(synthetic_acceptance)
+        if getattr(cost_model, "needs_taps", False):
+            # A drafter as the cost model (e.g. StaticDFlashDrafter): it sees the real target taps through
+            # this drafter's hooks and runs its real forward every round; its drafts are discarded.
+            self.needs_taps, self.taps = True, cost_model.taps  # type: ignore[union-attr]
+            for hook in ("observe", "release", "assign", "observe_round", "capture"):
+                if hasattr(cost_model, hook):
+                    setattr(self, hook, getattr(cost_model, hook))
+            if hasattr(cost_model, "propose"):
+                self.cost_model = cost_model.propose  # type: ignore[union-attr]
         self.label = f"replay (synthetic acceptance p={acceptance:g})"
         if self.synthetic_acceptance:
             self.label += " [SYNTHETIC accept/reject decisions under sampled verification]"
@@ -325,7 +343,12 @@ class SpecDecoder:
     """
 
     def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
-                 *, state: DecodeState | None = None) -> None:
+                 *, state: DecodeState | None = None, graphs: bool | None = None,
+                 sampler: str | None = None) -> None:
+        """graphs: run the verify forward and the rollback as CUDA graphs captured per batch size
+        1..max_batch (default: on a CUDA target without tensor parallelism); False runs the same
+        steps eagerly (bitwise-identical). sampler: "compact" (the generated fused rejection-sampling
+        kernel, default on CUDA), "dense" (the torch reference) or None for the default."""
         if max_batch < 1 or max_len < 2 or num_draft < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
                              f"{num_draft}")
@@ -345,6 +368,19 @@ class SpecDecoder:
         # Benchmark-only verifier override, used only when the drafter declares it (ReplayDrafter).
         self.synthetic_acceptance = bool(getattr(drafter, "synthetic_acceptance", False))
         self.max_batch, self.max_len, self.num_draft = max_batch, max_len, num_draft
+        cuda = target.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda and self.tp_group is None  # NCCL collectives inside a capture: not attempted
+        if graphs and max_batch > MAX_GRAPH_BATCH:
+            raise ValueError(f"max_batch={max_batch} is above the captured maximum of {MAX_GRAPH_BATCH} "
+                             "(CUDA graphs are captured for B = 1..8; pass graphs=False for more)")
+        taps = self.tap_drafter.taps if self.tap_drafter else None
+        self.steps = DecodeGraphs(target, state, num_draft + 1, max_batch, taps, capture=bool(graphs))
+        if sampler is None:
+            sampler = "compact" if cuda else "dense"
+        if sampler not in ("compact", "dense"):
+            raise ValueError(f"sampler must be 'compact' or 'dense', got {sampler!r}")
+        self.sampler = sampler
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft, self.synthetic_acceptance)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
@@ -406,6 +442,9 @@ class SpecDecoder:
         st, dev, d = self.state, self.target.device, self.num_draft
         for s in range(st.batch):
             st.reset(s)  # a previous (possibly failed) call may have left requests behind
+        self.steps.capture()  # once, while the state is empty (no-op for eager steps)
+        if hasattr(self.drafter, "capture"):
+            self.drafter.capture()  # a static-slot drafter's graphs, likewise
         queue = deque(r for r in reqs if r is not None)
         slots: list[_Request | None] = [None] * st.batch
         out: dict[int, list[int]] = {}
@@ -419,6 +458,8 @@ class SpecDecoder:
                     st.reset(s)
                     joins.append(s)
                     self.slot_log.append((slots[s].rid, s))  # type: ignore[union-attr]
+                    if self.tap_drafter is not None and hasattr(self.tap_drafter, "assign"):
+                        self.tap_drafter.assign(slots[s].rid, s)  # type: ignore[union-attr]
                     if self.observer is not None:
                         self.observer("admit", slots[s].rid, 0)  # type: ignore[union-attr]
             if joins:
@@ -438,7 +479,9 @@ class SpecDecoder:
             t0 = timer.start("host")
             if drafts.shape != (len(active), d):
                 raise ValueError(f"drafter returned {tuple(drafts.shape)}, expected {(len(active), d)}")
-            b = st.batch
+            # Slots [0, b) run: the smallest captured batch holding every active slot (admission fills
+            # the lowest free slots, so b is the active count except while requests drain).
+            b = active[-1] + 1
             idx = torch.tensor(active, dtype=torch.long)
             draft_all = torch.zeros(b, d, dtype=torch.long)
             draft_all[idx] = drafts.to("cpu", torch.long)
@@ -467,29 +510,30 @@ class SpecDecoder:
             timer.stop("host", t0)
 
             t0 = timer.start("target")
-            st.checkpoint(d + 1)
-            taps = self.tap_drafter.taps if self.tap_drafter else None
-            logits, hidden = self.target(tokens, st, taps=taps) if taps is not None else (self.target(tokens, st), {})
+            logits, hidden = self.steps.verify(b, tokens)
             timer.stop("target", t0)
 
             t0 = timer.start("sample")
-            res = verify(draft_dev, logits, row_params, u, q_all, accept_override=forced)
+            res = self._verify(draft_dev, logits, row_params, u, q_all, forced)
             # TP: rank 0's verify outcome decides on every rank (module docstring).
             outcome = broadcast_from_first(torch.cat([res.accepted[:, None], res.tokens], dim=1), self.tp_group)
             accepted_t, tokens_t = outcome[:, 0].cpu(), outcome[:, 1:].cpu()
             # Keep the pending token + the accepted drafts; the new token becomes pending.
             keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + accepted_t, 0)
-            st.rollback((base + keep).to(dev))
+            self.steps.rollback(b, (base + keep).to(dev))
             timer.stop("sample", t0)
 
             if self.tap_drafter is not None:  # the kept positions: pending token + accepted drafts
                 t0 = timer.start("draft")
                 fused = _fuse(hidden, self.tap_drafter.taps)
-                keep_l = keep.tolist()
-                for s in active:
-                    r = slots[s]
-                    assert r is not None
-                    self.tap_drafter.observe(r.rid, int(base[s]), fused[s, :keep_l[s]])
+                if hasattr(self.tap_drafter, "observe_round"):  # static slots: one staged copy
+                    self.tap_drafter.observe_round(fused, base.to(dev), keep.to(dev))
+                else:
+                    keep_l = keep.tolist()
+                    for s in active:
+                        r = slots[s]
+                        assert r is not None
+                        self.tap_drafter.observe(r.rid, int(base[s]), fused[s, :keep_l[s]])
                 timer.stop("draft", t0)
 
             t0 = timer.start("host")
@@ -519,6 +563,16 @@ class SpecDecoder:
         self.stats.wall_s = time.perf_counter() - t_start
         return [out.get(i, []) for i in range(len(prompts))]
 
+    def _verify(self, drafts: Tensor, logits: Tensor, params: list[SamplingParams], u: Uniforms,
+                q: Tensor | None, forced: Tensor | None) -> VerifyResult:
+        """Rejection sampling of one round: the generated compact kernel (``sampler="compact"``) or
+        the dense torch reference; both consume the same uniforms and agree on every decision."""
+        if self.sampler == "compact":
+            from .rejection import compact_verify
+
+            return compact_verify(drafts, logits, params, u, q, accept_override=forced)
+        return verify(drafts, logits, params, u, q, accept_override=forced)
+
     def _prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
         """Feed ``prompt[:-1]`` of the joining requests (right-padded, ``num_new``) in a scratch state
         and copy their caches into their slots: the in-flight requests are untouched and need no
@@ -542,13 +596,13 @@ class SpecDecoder:
         tmp = self.target.new_state(len(joins), t)
         n_new = torch.tensor(lens, device=dev)
         if td is not None:
-            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps)
+            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps, logits=False)
             fused = _fuse(hidden, td.taps)
             for j, r in enumerate(reqs):
                 assert r is not None
                 td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
         else:
-            self.target(pad.to(dev), tmp, num_new=n_new)
+            self.target(pad.to(dev), tmp, num_new=n_new, logits=False)  # the state is what prefill is for
         st = self.state
         for j, s in enumerate(joins):
             n = lens[j]

@@ -203,6 +203,16 @@ class DecodeState:
     ``[B, max_len, Hkv, D]`` tensors (entries past ``lengths`` are stale and never attended).
     GDN: recurrent state ``[B, Hv, dk, dv]`` FP32 and conv state ``[B, C, W-1]`` (the last W-1 conv
     inputs, oldest first) per layer.
+
+    Every tensor is updated in place and verify scratch lives in preallocated buffers, so a forward
+    and a rollback can be captured in a CUDA graph and replayed; :meth:`narrow` gives the first
+    ``b`` slots as a state of views (one graph per batch size over the same storage).
+
+    Rollback without per-position snapshots: an armed (``checkpoint``) forward of T positions leaves
+    the GDN recurrent state at S0 (before the forward) and keeps, per layer, the chunk terms of the
+    gated delta rule -- keys K, the delta-rule "new values" U and the cumulative log decays -- from
+    which the state after any n <= T positions is ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``
+    (one small GEMM); :meth:`rollback` computes exactly that (as a ``num_new`` commit does, bitwise).
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -213,74 +223,146 @@ class DecodeState:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
-        self.ssm: dict[int, Tensor] = {}
-        self.conv: dict[int, Tensor] = {}
         for i, lt in enumerate(cfg.layer_types):
             if lt == FULL:
                 shape = (batch, max_len, nkv_l, cfg.head_dim)
                 # zeros, not empty: masked keys are multiplied by probability 0, and 0 * NaN = NaN
                 self.k[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
-            else:
-                _, _, dk, dv, w = _gdn_dims(cfg)
-                self.ssm[i] = torch.zeros(batch, nv_l, dk, dv, dtype=torch.float32, device=device)
-                self.conv[i] = torch.zeros(batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
-                                           device=device)
-        self._armed = 0  # positions the next forward snapshots (0: keep only the final state)
-        self._base: Tensor | None = None  # lengths before the forward whose snapshots are kept
-        self._span = 0  # positions of that forward
-        self._ssm_hist: dict[int, Tensor] = {}  # [B, T+1, Hv, dk, dv]: index n = state after n new positions
-        self._conv_hist: dict[int, Tensor] = {}  # [B, C, W-1+T]: window [n, n+W-1) = conv state after n
+        # GDN states of all layers stacked [layers, B, ...] (ssm[i] / conv[i] are per-layer views), so a
+        # rollback is one batched computation over every layer rather than a few kernels per layer.
+        self.gdn_index = {i: j for j, i in enumerate(i for i, lt in enumerate(cfg.layer_types) if lt != FULL)}
+        n_gdn = len(self.gdn_index)
+        dk = dv = w = 1
+        if n_gdn:
+            _, _, dk, dv, w = _gdn_dims(cfg)
+        self.ssm_all = torch.zeros(n_gdn, batch, nv_l, dk, dv, dtype=torch.float32, device=device)
+        self.conv_all = torch.zeros(n_gdn, batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
+                                    device=device)
+        self.ssm = {i: self.ssm_all[j] for i, j in self.gdn_index.items()}
+        self.conv = {i: self.conv_all[j] for i, j in self.gdn_index.items()}
+        self._armed = 0  # positions the next forward keeps rollback terms for (0: commit everything)
+        self._span = 0  # positions of the armed forward awaiting rollback (0: none)
+        self._bufs: dict[str, Tensor] = {}  # verify scratch, full batch; narrowed states slice it
+        self._root: DecodeState = self
+        self._lo = 0
+
+    def narrow(self, batch: int) -> DecodeState:
+        """Slots ``[0, batch)`` as a state of views: forwards / rollbacks on it update this state."""
+        if not 1 <= batch <= self.batch:
+            raise ValueError(f"cannot narrow a state of {self.batch} requests to {batch}")
+        sub = object.__new__(DecodeState)
+        sub.batch, sub.max_len = batch, self.max_len
+        sub.lengths = self.lengths[:batch]
+        sub.gdn_index = self.gdn_index
+        sub.ssm_all, sub.conv_all = self.ssm_all[:, :batch], self.conv_all[:, :batch]
+        for name in ("k", "v", "ssm", "conv"):
+            setattr(sub, name, {i: t[:batch] for i, t in getattr(self, name).items()})
+        sub._armed, sub._span, sub._bufs, sub._root = 0, 0, {}, self._root
+        return sub
+
+    def buffer(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Scratch ``[batch, *shape]`` that persists across forwards (allocated once, full batch, in the
+        root state, so graphs captured at any batch size read and write the same storage).
+        ``shape=None``: the existing buffer."""
+        root = self._root
+        buf = root._bufs.get(name)
+        if shape is None:
+            if buf is None:
+                raise RuntimeError(f"decode state buffer {name!r} was never written")
+        elif buf is None or buf.shape[1:] != shape or buf.dtype != dtype:
+            buf = root._bufs[name] = torch.zeros((root.batch, *shape), dtype=dtype, device=root.lengths.device)
+        return buf[:self.batch]
+
+    def stacked(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """Like :meth:`buffer`, FP32 ``[GDN layers, batch, *shape]`` (layer-major: one batched op
+        covers every layer; ``[j]`` is GDN layer j's contiguous ``[batch, *shape]`` block)."""
+        root = self._root
+        key = "stacked:" + name
+        buf = root._bufs.get(key)
+        if shape is None:
+            if buf is None:
+                raise RuntimeError(f"decode state buffer {name!r} was never written")
+        elif buf is None or buf.shape[2:] != shape:
+            buf = root._bufs[key] = torch.zeros((len(self.gdn_index), root.batch, *shape),
+                                                device=root.lengths.device)
+        return buf[:, :self.batch]
 
     def checkpoint(self, positions: int) -> None:
-        """Arm the next forward (of at most ``positions`` positions) to keep the GDN recurrent and conv
-        state after every position, so :meth:`rollback` can restore any length it passed through."""
+        """Arm the next forward (of at most ``positions`` positions) to keep what :meth:`rollback` needs
+        to restore any length it passes through. Until that rollback the GDN state is pending."""
         if positions < 1:
             raise ValueError(f"positions must be >= 1, got {positions}")
         self._armed = positions
 
-    def rollback(self, lengths: Tensor) -> None:
+    def rollback(self, lengths: Tensor, *, check: bool = True) -> None:
         """Restore request b to "after position ``lengths[b]``" (absolute length, within the last
-        checkpointed forward's range [before, after]). KV entries past the length become stale."""
-        if self._base is None:
+        checkpointed forward's range [before, after]); once per armed forward. KV entries past the
+        length become stale. ``check=False``: no validation (no host sync; CUDA-graph capture)."""
+        if self._span == 0:
             raise RuntimeError("rollback needs a forward run after checkpoint()")
-        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        n = lengths - self._base
         t = self._span
-        if lengths.shape != (self.batch,) or bool((n < 0).any()) or bool((n > t).any()):
+        base = self.buffer("base")
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        n = lengths - base
+        if check and (lengths.shape != (self.batch,) or bool((n < 0).any()) or bool((n > t).any())):
             raise ValueError(f"rollback lengths {lengths.tolist()} outside the checkpointed range "
-                             f"[{self._base.tolist()}, +{t}]")
-        b = torch.arange(self.batch, device=n.device)
-        for i, hist in self._ssm_hist.items():
-            self.ssm[i] = hist[b, n].clone()
-        for i, cat in self._conv_hist.items():
-            self.conv[i] = _window(cat, n, self.conv[i].shape[-1])
-        self.lengths = lengths.clone()
+                             f"[{base.tolist()}, +{t}]")
+        if self.gdn_index:  # every layer at once
+            _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n, out=self.ssm_all)
+            self.conv_all.copy_(_window(self.stacked("conv_cat"), n, self.conv_all.shape[-1]))
+        self.lengths.copy_(lengths)
+        self._span = 0
+
+    def commit(self) -> None:
+        """Keep every position of a pending armed forward (a rollback to its full length)."""
+        if self._span:
+            self.rollback(self.buffer("base") + self._span, check=False)
 
     def reset(self, index: int) -> None:
-        """Empty request slot ``index`` (a new request starts there); drops the rollback snapshots."""
+        """Empty request slot ``index`` (a new request starts there)."""
+        self.commit()
         self.lengths[index] = 0
-        for s in (*self.ssm.values(), *self.conv.values()):
-            s[index].zero_()
-        self._base = None
-        self._ssm_hist, self._conv_hist = {}, {}
+        self.ssm_all[:, index].zero_()
+        self.conv_all[:, index].zero_()
 
 
 def _window(cat: Tensor, n: Tensor, width: int) -> Tensor:
-    """cat[b, :, n[b] : n[b] + width] for every request b."""
-    idx = n[:, None, None] + torch.arange(width, device=cat.device)
-    return cat.gather(-1, idx.expand(cat.shape[0], cat.shape[1], width)).contiguous()
+    """cat[..., b, :, n[b] : n[b] + width] for every request b (cat ``[..., B, C, L]``)."""
+    idx = n.view(*([1] * (cat.dim() - 3)), -1, 1, 1) + torch.arange(width, device=cat.device)
+    return cat.gather(-1, idx.expand(*cat.shape[:-1], width))
+
+
+def _gdn_state_at(s0: Tensor, k: Tensor, u: Tensor, g: Tensor, n: Tensor, out: Tensor | None = None) -> Tensor:
+    """Gated delta rule state after the first ``n[b]`` positions of a chunk that started at ``s0``.
+
+    s0 [..., B, H, dk, dv]; k [..., B, H, T, dk] keys, u [..., B, H, T, dv] new values, g [..., B, H, T]
+    cumulative log decay (inclusive); n [B] in [0, T] (leading dims: e.g. stacked layers).
+    ``exp(G_n) s0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T`` with G_0 = 0. ``out`` may be ``s0``."""
+    t = k.shape[-2]
+    nb = n.view(*([1] * (g.dim() - 3)), -1, 1, 1)  # [..., B, 1, 1]
+    g_ext = torch.cat((torch.zeros_like(g[..., :1]), g), dim=-1)  # [..., B, H, T+1]: G_0 = 0
+    g_n = g_ext.gather(-1, nb.expand(*g.shape[:-1], 1))  # [..., B, H, 1]
+    live = torch.arange(t, device=k.device) < nb  # positions i < n
+    w = torch.exp((g_n - g).masked_fill(~live, -math.inf))  # [B, H, T], 0 past n
+    upd = (k * w[..., None]).transpose(-1, -2) @ u  # [B, H, dk, dv]
+    scale = torch.exp(g_n)[..., None]
+    if out is None:
+        return s0 * scale + upd
+    return out.mul_(scale).add_(upd)
 
 
 # --------------------------------------------------------------------------- model
 
 
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+def _rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
+    return F.rms_norm(x, x.shape[-1:], w, eps)  # x * rsqrt(mean(x^2) + eps) * w; fused on CUDA
 
 
-def _l2_norm(x: Tensor) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_EPS)
+def _l2_norm(x: Tensor, scale: float = 1.0) -> Tensor:
+    """scale * x * rsqrt(sum(x^2) + eps), as one RMSNorm: sum = n * mean, so eps -> eps / n."""
+    n = x.shape[-1]
+    return _rms_norm(x, None, _L2_EPS / n) * (scale / math.sqrt(n))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -343,6 +425,9 @@ class TargetModel(torch.nn.Module):
         # Effective multiplicative norm weights (zero-centred ones get their +1 here, once).
         self.w: dict[str, Tensor] = {
             n: (t + off if n.endswith("norm.weight") and "linear_attn" not in n else t) for n, t in w.items()}
+        # GDN decay rate -exp(A_log), once (not per forward)
+        self.neg_a = {i: -torch.exp(self.w[f"model.layers.{i}.linear_attn.A_log"])
+                      for i, lt in enumerate(cfg.layer_types) if lt != FULL}
         rd = int(cfg.head_dim * cfg.partial_rotary_factor) // 2 * 2
         self.rotary_dim = rd
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64, device=self.device) / rd)
@@ -388,15 +473,16 @@ class TargetModel(torch.nn.Module):
 
     @overload
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: None = None) -> Tensor: ...
+                taps: None = None, check: bool = True, logits: bool = True) -> Tensor: ...
 
     @overload
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: Sequence[int]) -> tuple[Tensor, dict[int, Tensor]]: ...
+                taps: Sequence[int], check: bool = True, logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]: ...
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
-                taps: Sequence[int] | None = None) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
+                taps: Sequence[int] | None = None, check: bool = True,
+                logits: bool = True) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
         """Append ``tokens [B, T]`` at positions ``state.lengths + t``; logits ``[B, T, V]`` FP32.
 
         num_new: per-request count of real tokens (right padding beyond it, e.g. prompts of different
@@ -404,6 +490,10 @@ class TargetModel(torch.nn.Module):
         taps: decoder layer indices (0-based) whose output hidden states ``[B, T, H]`` FP32 to return
         as ``(logits, {layer: hidden})`` -- HF ``hidden_states[layer + 1]``, what a DFlash drafter is
         conditioned on. None (default): logits only.
+        check: validate lengths / num_new against the state (host syncs). ``False`` for CUDA-graph
+        capture: the caller validates on the host. The work itself never syncs.
+        logits: False skips the final norm and the lm_head (an empty ``[B, T, 0]`` tensor is returned):
+        prefill only needs the state (and taps), not ``B x T x V`` logits.
         """
         tap_set = set(taps) if taps is not None else set()
         if bad := sorted(i for i in tap_set if not 0 <= i < self.cfg.num_hidden_layers):
@@ -412,41 +502,42 @@ class TargetModel(torch.nn.Module):
         b, t = tokens.shape
         if b != state.batch:
             raise ValueError(f"tokens have {b} requests, the state {state.batch}")
-        base = state.lengths.clone()
-        if int(base.max()) + t > state.max_len:
-            raise ValueError(f"{t} new positions overflow max_len={state.max_len} (lengths {base.tolist()})")
         if state._armed and t > state._armed:
             raise ValueError(f"forward of {t} positions, but checkpoint() armed {state._armed}")
+        state.commit()  # an armed forward nobody rolled back keeps all its positions
+        base = state.lengths.clone()
         n_new = None if num_new is None else torch.as_tensor(num_new, dtype=torch.long, device=base.device)
-        if n_new is not None and (n_new.shape != (b,) or bool((n_new < 0).any()) or bool((n_new > t).any())):
-            raise ValueError(f"num_new must be {b} counts in [0, {t}], got {n_new.tolist()}")
+        if check:
+            if int(base.max()) + t > state.max_len:
+                raise ValueError(f"{t} new positions overflow max_len={state.max_len} (lengths {base.tolist()})")
+            if n_new is not None and (n_new.shape != (b,) or bool((n_new < 0).any()) or bool((n_new > t).any())):
+                raise ValueError(f"num_new must be {b} counts in [0, {t}], got {n_new.tolist()}")
         keep = state._armed > 0
-        state._ssm_hist, state._conv_hist = {}, {}
         pos = base[:, None] + torch.arange(t, device=base.device)  # [B, T]
         ang = pos[..., None].double() * self.inv_freq  # fp64 angles: exact per position, any batch
         emb = torch.cat((ang, ang), -1)
         cos, sin = emb.cos().float()[:, :, None], emb.sin().float()[:, :, None]  # [B, T, 1, rd]
-        # Keys: the cache + all T new positions (causal, so real tokens never see the right padding);
-        # the same shapes with or without num_new, so a num_new commit == checkpoint + rollback bitwise.
-        n_vis = base + t
 
         h = self.w["model.embed_tokens.weight"][tokens]
         for i, lt in enumerate(self.cfg.layer_types):
             p = f"model.layers.{i}"
             x = _rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
             if lt == FULL:
-                h = h + self._attention(i, x, pos, cos, sin, n_vis, state)
+                h = h + self._attention(i, x, pos, cos, sin, state)
             else:
                 h = h + self._gdn(i, x, state, n_new, keep)
             h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
             if i in tap_set:
                 tapped[i] = h
-        logits = self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps))
+        out = (self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps)) if logits
+               else h.new_empty(b, t, 0))
 
-        state.lengths = base + (n_new if n_new is not None else t)
-        state._base, state._span = (base, t) if keep else (None, 0)
+        if keep:
+            state.buffer("base", (), torch.long).copy_(base)
+            state._span = t
+        state.lengths.copy_(base + (n_new if n_new is not None else t))
         state._armed = 0
-        return logits if taps is None else (logits, {i: tapped[i] for i in taps})
+        return out if taps is None else (out, {i: tapped[i] for i in taps})
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         gu = self._p(i, "gate_up_proj")
@@ -461,8 +552,7 @@ class TargetModel(torch.nn.Module):
         r, rest = x[..., :rd], x[..., rd:]
         return torch.cat((r * cos + _rotate_half(r) * sin, rest), dim=-1)
 
-    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, n_vis: Tensor,
-                   state: DecodeState) -> Tensor:
+    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
@@ -480,30 +570,30 @@ class TargetModel(torch.nn.Module):
         rows = torch.arange(b, device=x.device)[:, None]
         kc[rows, pos] = k.to(kc.dtype)
         vc[rows, pos] = v.view(b, t, nkv, d).to(vc.dtype)
-        out = dense_verify_attention(q, kc, vc, n_vis)  # the generated kernel (CUDA, FP16/FP8 cache)
-        if out is None:
-            out = torch.empty(b, t, nh, d, device=x.device)
-            g = nh // nkv
-            for r, (n, p0) in enumerate(zip(n_vis.tolist(), pos[:, 0].tolist(), strict=True)):
-                # Per request over exactly its own keys: batch composition cannot change its math.
-                qb = q[r].view(t, nkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-                out[r] = self._attend(qb, kc[r], vc[r], n, p0)
-        o = out.reshape(b, t, nh * d)
+        # The generated verify-attention kernel on CUDA (FP16/FP8 cache); the FP32 reference elsewhere.
+        # Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
+        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1)
+        o = (self._attend(q, kc, vc, pos) if out is None else out).reshape(b, t, nh * d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self._lin(self._p(i, "o_proj"), o)
 
     @staticmethod
-    def _attend(q: Tensor, kc: Tensor, vc: Tensor, n: int, p0: int) -> Tensor:
-        """Causal GQA attention of queries q [Hkv, G, T, D] at positions p0.. over keys [0, n) of one
-        request's cache [max_len, Hkv, D]; returns [T, Hkv * G, D]."""
-        hkv, g, t, d = q.shape
-        kb = kc[:n].float().permute(1, 0, 2)[:, None]  # [Hkv, 1, n, D]
-        vb = vc[:n].float().permute(1, 0, 2)[:, None]
-        s = (q @ kb.transpose(-1, -2)) * d**-0.5  # [Hkv, G, T, n]
-        causal = torch.arange(n, device=q.device)[None, :] <= (p0 + torch.arange(t, device=q.device))[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
-        return (s.softmax(-1) @ vb).permute(2, 0, 1, 3).reshape(t, hkv * g, d)
+    def _attend(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> Tensor:
+        """Causal GQA attention (FP32 reference) of queries q [B, T, H, D] at positions pos [B, T] over
+        each request's own cache [B, L, Hkv, D] (keys at positions <= the query's; the rest -- stale
+        entries past a request's length -- get probability exactly 0). Static shapes, no host sync:
+        CUDA-graph capturable. Returns [B, T, H, D]. A generated verify-attention kernel
+        (runtime/attention.py) replaces this behind the same contract."""
+        b, t, h, d = q.shape
+        hkv, length = kc.shape[2], kc.shape[1]
+        g = h // hkv
+        qb = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        s = (qb @ kc.permute(0, 2, 3, 1).float()) * d**-0.5  # [B, Hkv, G*T, L]
+        visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
+        s = s.view(b, hkv, g, t, length).masked_fill(~visible[:, None, None], float("-inf"))
+        o = s.softmax(-1).view(b, hkv, g * t, length) @ vc.permute(0, 2, 1, 3).float()  # [B, Hkv, G*T, D]
+        return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
         b, t, _ = x.shape
@@ -514,43 +604,91 @@ class TargetModel(torch.nn.Module):
         c = 2 * nk * dk + nv * dv
         mixed, z = qkvz.split([c, nv * dv], dim=-1)
         bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
-        beta = torch.sigmoid(bet)
-        decay = torch.exp(-torch.exp(self.w[f"{p}.A_log"]) * F.softplus(a + self.w[f"{p}.dt_bias"]))  # exp(g)
+        beta = torch.sigmoid(bet).transpose(1, 2)  # [B, Hv, T]
+        log_decay = (self.neg_a[i] * F.softplus(a + self.w[f"{p}.dt_bias"])).transpose(1, 2)  # -A * dt
 
         # Depthwise causal conv (width W) over q|k|v, continuing from the last W-1 inputs.
         cat = torch.cat((state.conv[i], mixed.transpose(1, 2)), dim=-1)  # [B, C, W-1+T]
-        cw = self.w[f"{p}.conv1d.weight"].view(c, width)
-        mixed = F.silu((cat.unfold(-1, width, 1) * cw[:, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
+        mixed = F.silu(F.conv1d(cat, self.w[f"{p}.conv1d.weight"].view(c, 1, width), groups=c)).transpose(1, 2)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-        rep = nv // nk  # value head h reads key head h // rep
-        q = (_l2_norm(q.reshape(b, t, nk, dk)) * dk**-0.5).repeat_interleave(rep, dim=2)
-        k = _l2_norm(k.reshape(b, t, nk, dk)).repeat_interleave(rep, dim=2)
-        v = v.reshape(b, t, nv, dv)
+        rep = nv // nk  # value head h reads key head h // rep (expand, not repeat_interleave: no host sync)
 
-        s = state.ssm[i]
-        hist = torch.empty(b, t + 1, nv, dk, dv, device=x.device) if keep else None
-        if hist is not None:
-            hist[:, 0] = s
-        final = s if n_new is not None else None
-        outs = []
-        for j in range(t):  # gated delta rule, FP32, one position at a time
-            kj = k[:, j, :, :, None]  # [B, Hv, dk, 1]
-            s = s * decay[:, j, :, None, None]
-            delta = (v[:, j] - (s * kj).sum(-2)) * beta[:, j, :, None]  # [B, Hv, dv]
-            s = s + kj * delta[:, :, None, :]
-            outs.append((s * q[:, j, :, :, None]).sum(-2))
-            if hist is not None:
-                hist[:, j + 1] = s
-            if n_new is not None:
-                final = torch.where((n_new == j + 1)[:, None, None, None], s, final)
-        if n_new is None:
-            state.ssm[i], state.conv[i] = s, cat[..., t:].contiguous()
+        def per_value_head(x: Tensor) -> Tensor:
+            return x[:, :, :, None].expand(b, t, nk, rep, dk).reshape(b, t, nv, dk).transpose(1, 2)
+
+        q = per_value_head(_l2_norm(q.reshape(b, t, nk, dk), dk**-0.5))
+        k = per_value_head(_l2_norm(k.reshape(b, t, nk, dk)))  # [B, Hv, T, dk]
+        v = v.reshape(b, t, nv, dv).transpose(1, 2)
+
+        s0 = state.ssm[i]
+        if keep:  # one chunk; the state stays at s0 until rollback picks the accepted length
+            o, kk, u, g = _gdn_chunk(s0, q, k, v, beta, log_decay)
+            j = state.gdn_index[i]
+            for name, val in (("k", kk), ("u", u), ("g", g), ("conv_cat", cat)):
+                state.stacked(name, tuple(val.shape[1:]))[j].copy_(val)
         else:
-            assert final is not None
-            state.ssm[i], state.conv[i] = final, _window(cat, n_new, width - 1)
-        if hist is not None:
-            state._ssm_hist[i], state._conv_hist[i] = hist, cat
+            step = t if t <= _SMALL_CHUNK else _CHUNK
+            s, final, outs = s0, s0, []
+            for c0 in range(0, t, step):
+                c1 = min(c0 + step, t)
+                o_c, kk, u, g = _gdn_chunk(s, q[:, :, c0:c1], k[:, :, c0:c1], v[:, :, c0:c1], beta[..., c0:c1],
+                                           log_decay[..., c0:c1])
+                outs.append(o_c)
+                if n_new is not None:  # request b's state after its n_new[b] real positions
+                    here = ((n_new > c0) & (n_new <= c1)).view(b, 1, 1, 1)
+                    final = torch.where(here, _gdn_state_at(s, kk, u, g, (n_new - c0).clamp(0, c1 - c0)), final)
+                if c1 < t or n_new is None:
+                    s = _gdn_state_at(s, kk, u, g, torch.full((b,), c1 - c0, dtype=torch.long, device=x.device))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            if n_new is None:
+                state.ssm[i].copy_(s)
+                state.conv[i].copy_(cat[..., t:])
+            else:
+                state.ssm[i].copy_(final)
+                state.conv[i].copy_(_window(cat, n_new, width - 1))
 
-        o = _rms_norm(torch.stack(outs, dim=1), self.w[f"{p}.norm.weight"], self.eps)
+        o = _rms_norm(o.transpose(1, 2), self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
         o = o * F.silu(z.reshape(b, t, nv, dv))
         return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))
+
+
+_SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only
+_CHUNK = 64  # longer inputs (prefill) run in chunks of this size through a triangular solve
+
+
+def _unit_lower_solve(n: Tensor, rhs: Tensor) -> Tensor:
+    """Solve (I + N) X = rhs for strictly lower-triangular N [..., T, T]. For T <= 16:
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) since N^T = 0 -- batched matmuls only, so the
+    verify chunk stays CUDA-graph capturable and free of solver heuristics."""
+    t = n.shape[-1]
+    if t > _SMALL_CHUNK:
+        eye = torch.eye(t, device=n.device, dtype=n.dtype)
+        return torch.linalg.solve_triangular(eye + n, rhs, upper=False, unitriangular=True)
+    x = rhs - n @ rhs
+    p, span = n, 2
+    while span < t:
+        p = p @ p  # N^span
+        x = x + p @ x
+        span *= 2
+    return x
+
+
+def _gdn_chunk(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor,
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gated delta rule over a chunk of T positions in matrix form (FP32).
+
+    Per head: S_t = exp(g_t) S_{t-1} + k_t u_t^T with u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),
+    output o_t = S_t^T q_t. With G the inclusive cumulative log decay and D_ti = exp(G_t - G_i) (i <= t),
+    u solves (I + N) u = beta (v - exp(G) K S0), N_ti = beta_t D_ti k_t.k_i (i < t), and
+    o = exp(G) Q S0 + (Q K^T * D) u. Returns (o [B, H, T, dv], k, u, G) -- the terms
+    :func:`_gdn_state_at` needs for the state after any prefix."""
+    t = k.shape[2]
+    g = log_decay.cumsum(-1)  # [B, H, T]
+    ks, qs = (torch.cat((k, q), dim=2) @ s0).split(t, dim=2)  # [B, H, T, dv] each: one read of S0
+    causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
+    dec = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, -math.inf))  # [B, H, T, T]
+    eg = torch.exp(g)[..., None]
+    n = ((k @ k.transpose(-1, -2)) * dec * beta[..., None]).tril(-1)
+    u = _unit_lower_solve(n, beta[..., None] * (v - eg * ks))
+    o = eg * qs + ((q @ k.transpose(-1, -2)) * dec) @ u
+    return o, k, u, g

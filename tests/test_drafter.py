@@ -253,3 +253,47 @@ def test_config_checked_against_target(model: TargetModel) -> None:
             BlockDrafter.for_target(model, replace(DrafterConfig.tiny(64), **kw))
     with pytest.raises(ValueError, match="width 64"):
         BlockDrafter.for_target(model, DrafterConfig.tiny(64, hidden_size=32))
+
+
+def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, block: BlockDrafter) -> None:
+    """The static-slot drafter (CUDA-graph form, eager here): greedy decoding stays identical to plain
+    decoding, each slot's context length follows its request, and its drafts match the per-request
+    DFlashDrafter's (same math up to FP32 summation order)."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(5, 40), _prompt(9, 41), _prompt(1, 42)]
+    oracle = [plain_greedy(model, p, 10) for p in prompts]
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=32)
+    dec = SpecDecoder(model, static, max_batch=2, max_len=32, num_draft=static.num_draft)
+    assert dec.generate(prompts, GREEDY, 10) == oracle
+    assert not static.slot_of  # every request released
+    eager = DFlashDrafter(block)
+    dec_e = SpecDecoder(model, eager, max_batch=2, max_len=32, num_draft=eager.num_draft)
+    assert dec_e.generate(prompts, GREEDY, 10) == oracle
+    st = [r for r in dec.stats.rounds]
+    assert [r.accepted for r in st] == [r.accepted for r in dec_e.stats.rounds]  # the same drafts accepted
+
+
+def test_replay_with_static_drafter_cost_sees_real_taps(model: TargetModel, block: BlockDrafter) -> None:
+    """The CUDA benchmark's replay drafter: its cost model is a StaticDFlashDrafter fed the target's real
+    taps through the replay drafter's hooks; every propose runs the block forward on contexts that
+    match each request's history."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(6, 50), _prompt(3, 51), _prompt(8, 52)]
+    oracle = [plain_greedy(model, p, 12 + 7) for p in prompts]
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=40)
+    seen: list[bool] = []
+    original = static.propose
+
+    def checked(contexts):  # after the step's append: context == history - 1 (pending token = block position 0)
+        out = original(contexts)
+        seen.extend(static.context_len(c.rid) == len(c.tokens) - 1 for c in contexts)
+        return out
+
+    static.propose = checked  # type: ignore[method-assign]
+    d = ReplayDrafter(oracle, 0.7, cost_model=static)
+    assert d.needs_taps and d.taps == static.taps and d.observe_round == static.observe_round
+    dec = SpecDecoder(model, d, max_batch=2, max_len=40)
+    assert dec.generate(prompts, GREEDY, 12) == [o[:12] for o in oracle]
+    assert seen and all(seen)

@@ -118,14 +118,15 @@ def test_rollback_equals_plain_run(model: TargetModel, accepted: int) -> None:
     assert torch.equal(cont, model(after, same))
 
     # Close: a plain run that only ever fed the accepted tokens (its GEMMs have other M, so FP32
-    # rounding differs; 1e-6 relative to each state tensor's scale).
+    # rounding differs, and the matrix-form GDN chunk rounds per chunk split; 4e-6 relative to each
+    # state tensor's scale).
     for r in range(2):
         ref = model.new_state(1, MAX_LEN)
         model(prompts[r], ref)
         if keep[r]:
             model(draft[r:r + 1, :int(keep[r])], ref)
         ref_cont = model(after[r:r + 1], ref)
-        assert _max_state_diff(st, r, ref, 0) <= 1e-6
+        assert _max_state_diff(st, r, ref, 0) <= 4e-6
         assert float(rel_l2(cont[r:r + 1], ref_cont)) < 1e-5
 
 
@@ -143,8 +144,9 @@ def test_rollback_range_is_checked(model: TargetModel) -> None:
     with pytest.raises(ValueError, match="outside"):
         st.rollback(torch.tensor([4 + VERIFY + 1]))
     st.rollback(torch.tensor([6]))
-    st.rollback(torch.tensor([4 + VERIFY]))  # forward again within the same verify round
-    assert st.lengths.tolist() == [4 + VERIFY]
+    with pytest.raises(RuntimeError, match="checkpoint"):  # once per armed forward
+        st.rollback(torch.tensor([4 + VERIFY]))
+    assert st.lengths.tolist() == [6]
     with pytest.raises(ValueError, match="max_len"):
         model(_tokens(MAX_LEN, seed=8), st)
 

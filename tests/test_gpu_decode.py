@@ -1,0 +1,195 @@
+"""GPU: the decode loop's generated pieces on an H200 -- the compact rejection-sampling kernel vs
+the dense reference (sm_90 cubin and compute_70 PTX JIT-compiled by the driver), CUDA-graph replay
+== eager, greedy byte-identity across B1/B2/B4/B8 and vs plain decoding on the generated GEMM
+kernels, and bad inputs. Skips cleanly without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 248320  # Qwen3.8: the specialised rejection kernels
+
+
+def _case(b: int, d: int, temp: float, top_p: float, seed: int, with_q: bool):
+    from dflashgen.runtime.sampling import SamplingParams, Uniforms, target_probs
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    # fp16-rounded logits: ties between ids, as the real lm_head output has them
+    logits = (torch.randn(b, d + 1, VOCAB, device=dev, generator=g) * 3).half().float()
+    params = [SamplingParams(temperature=temp, top_p=top_p, top_k=20 if r % 3 == 2 else 0) for r in range(b)]
+    if b > 1:
+        params[1] = SamplingParams(temperature=0.0)  # a greedy row in the batch
+    p = target_probs(logits, params)
+    # drafts: mostly sampled from the target itself (so runs of acceptances happen), some argmax
+    drafts = torch.multinomial(p[:, :d].reshape(-1, VOCAB), 1, generator=g).view(b, d)
+    drafts[:, ::3] = p[:, :d:3].argmax(-1)
+    q = None
+    if with_q:
+        q = torch.softmax(logits[:, :d] * 0.5 + torch.randn(b, d, VOCAB, device=dev, generator=g), -1)
+    u = Uniforms.draw(b, d, torch.Generator().manual_seed(seed), dev)
+    return drafts, logits, params, u, q
+
+
+@pytest.mark.parametrize("arch", ["native", 70])
+@pytest.mark.parametrize("b", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [3, 7])
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+@pytest.mark.parametrize("temp", [0.6, 1.0])
+def test_compact_equals_dense(arch: str | int, b: int, d: int, top_p: float, temp: float) -> None:
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import verify
+
+    for with_q in (False, True):
+        seed = 1000 * b + 10 * d + int(100 * top_p)
+        drafts, logits, params, u, q = _case(b, d, temp, top_p, seed, with_q)
+        ref = verify(drafts, logits, params, u, q)
+        got = compact_verify(drafts, logits, params, u, q, arch=None if arch == "native" else int(arch))
+        torch.cuda.synchronize()
+        assert torch.equal(got.accepted, ref.accepted), (with_q, got.accepted.tolist(), ref.accepted.tolist())
+        assert torch.equal(got.tokens, ref.tokens), (with_q, got.tokens.tolist(), ref.tokens.tolist())
+
+
+def test_compact_accept_override_and_generic_vocab() -> None:
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import SamplingParams, Uniforms, verify
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    for vocab in (97, 1000, VOCAB):  # the generic kernel below Qwen's vocab
+        b, d = 4, 7
+        logits = torch.randn(b, d + 1, vocab, device=dev, generator=g).half().float()
+        drafts = torch.randint(0, vocab, (b, d), device=dev, generator=g)
+        params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20)] * b
+        u = Uniforms.draw(b, d, torch.Generator().manual_seed(vocab), dev)
+        forced = torch.rand(b, d, device=dev, generator=g) < 0.8
+        ref = verify(drafts, logits, params, u, accept_override=forced)
+        got = compact_verify(drafts, logits, params, u, accept_override=forced)
+        assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.tokens, ref.tokens)
+
+
+# --------------------------------------------------------------------------- decode loop on the GPU
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory):
+    """The first 4 Qwen3.8-27B layers (3 GDN + 1 full attention) + the full vocab, NVFP4, through the
+    kernel library in batch-invariant mode: generated kernels at every M, the FP16 lm_head at one GEMM
+    shape (runtime/invariance.py)."""
+    from dflashgen.runtime.decode_bench import load_target, write_synthetic
+
+    out = tmp_path_factory.mktemp("qwen38-4l")
+    write_synthetic(out, None, 4, "nvfp4", seed=0, device="cuda")
+    return load_target(out, "nvfp4", device="cuda", invariant=True)  # batch-invariant projections
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_graphs_equal_eager_and_sampler_paths(target) -> None:
+    from dflashgen.runtime.sampling import SamplingParams
+    from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder
+
+    prompts = _prompts(6, 24, target.cfg.vocab_size)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=i) for i in range(6)]
+    outs = {}
+    for graphs in (True, False):
+        for sampler in ("compact", "dense"):
+            dec = SpecDecoder(target, NgramDrafter(), max_batch=4, max_len=96, graphs=graphs, sampler=sampler)
+            outs[graphs, sampler] = dec.generate(prompts, params, 24)
+            assert dec.steps.captured == graphs
+    assert outs[True, "compact"] == outs[False, "compact"]  # graph replay == eager, bitwise
+    assert outs[True, "dense"] == outs[False, "dense"]
+    assert outs[True, "compact"] == outs[True, "dense"]  # same uniforms -> same tokens
+
+
+def test_static_drafter_graphs_equal_eager(target) -> None:
+    from dflashgen.runtime.decode_bench import _block_drafter
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+    from dflashgen.runtime.sampling import SamplingParams
+    from dflashgen.runtime.spec_decode import SpecDecoder
+
+    block = _block_drafter(target, 0)
+    prompts = _prompts(5, 24, target.cfg.vocab_size)
+    outs, accepted = [], []
+    for graphs in (True, False):
+        drafter = StaticDFlashDrafter(block, 4, 96, graphs=graphs)
+        dec = SpecDecoder(target, drafter, max_batch=4, max_len=96, graphs=graphs)
+        outs.append(dec.generate(prompts, SamplingParams(temperature=0.0), 24))
+        accepted.append([r.accepted for r in dec.stats.rounds])
+        assert bool(drafter._graphs) == graphs
+    assert outs[0] == outs[1] and accepted[0] == accepted[1]
+
+
+def test_greedy_identical_across_batches_and_plain(target) -> None:
+    from dflashgen.runtime.sampling import SamplingParams
+    from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder, plain_greedy
+
+    prompts = _prompts(8, 20, target.cfg.vocab_size)
+    n = 24
+    plain = [plain_greedy(target, p, n) for p in prompts]
+    for b in (1, 2, 4, 8):
+        dec = SpecDecoder(target, NgramDrafter(), max_batch=b, max_len=64)
+        got = dec.generate(prompts, SamplingParams(temperature=0.0), n)
+        same = sum(g == p for g, p in zip(got, plain, strict=True))
+        assert same == len(prompts), f"B{b}: {same}/{len(prompts)} byte-identical to plain greedy decoding"
+
+
+def test_bad_inputs_leave_others_unaffected(target) -> None:
+    from dflashgen.runtime.sampling import SamplingParams
+    from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder
+
+    with pytest.raises(ValueError, match="captured maximum"):
+        SpecDecoder(target, NgramDrafter(), max_batch=9, max_len=64)
+    dec = SpecDecoder(target, NgramDrafter(), max_batch=4, max_len=64)
+    with pytest.raises(ValueError, match="captured maximum"):
+        dec.steps.verify(5, torch.zeros(5, 8, dtype=torch.long, device="cuda"))
+    good = _prompts(2, 16, target.cfg.vocab_size)
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [good[0], [], list(range(70)), good[1], good[0]]
+    params = [greedy, greedy, greedy, greedy, {"temperature": -1.0}]
+    outs = dec.generate(prompts, params, 16, strict=False)
+    assert set(dec.errors) == {1, 2, 4} and "empty prompt" in dec.errors[1] and "longer" in dec.errors[2]
+    assert "temperature" in dec.errors[4]
+    alone = SpecDecoder(target, NgramDrafter(), max_batch=4, max_len=64).generate(good, greedy, 16)
+    assert [outs[0], outs[3]] == alone and outs[1] == outs[2] == outs[4] == []
+
+
+def test_synthetic_writer_on_gpu_is_fast(tmp_path: Path) -> None:
+    import time
+
+    from dflashgen.runtime.decode_bench import write_synthetic
+
+    t = time.perf_counter()
+    write_synthetic(tmp_path, None, 2, "nvfp4", seed=0, device="cuda")  # 2 layers + embed-size lm_head
+    assert time.perf_counter() - t < 60
+
+
+def test_sampler_timing_report() -> None:
+    """Not a gate: CUDA-event medians of one round's rejection sampling, compact kernel vs dense
+    (printed; the script's pytest log keeps it)."""
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import verify
+
+    for b in (1, 2, 4, 8):
+        drafts, logits, params, u, _ = _case(b, 7, 1.0, 0.95, seed=b, with_q=False)
+        times = {}
+        for name, fn in (("compact", compact_verify), ("dense", verify)):
+            fn(drafts, logits, params, u)
+            ms = []
+            for _ in range(10):
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(drafts, logits, params, u)
+                z.record()
+                torch.cuda.synchronize()
+                ms.append(a.elapsed_time(z))
+            times[name] = sorted(ms)[len(ms) // 2]
+        print(f"rejection sampling B{b} q7 V={VOCAB}: compact {times['compact']:.3f} ms, dense {times['dense']:.3f} ms")
