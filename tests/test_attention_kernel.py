@@ -383,3 +383,16 @@ def test_sm70_fragment_dataflow() -> None:
                     assert (row, col) == (8 * rb + crow(i, e), 8 * (db0 + 2 * n) + ccol(i, e))
                     o[row, col] = acc[crow(i, e), ccol(i, e)]
     assert torch.equal(o, p @ v)
+
+
+def test_bench_markdown_renders_a_report() -> None:
+    from dflashgen.attn_bench import markdown
+
+    row = {"heads": "tp4", "hq": 6, "hkv": 1, "ctx": 1024, "B": 2, "ours_us": 10.0, "roofline_frac": 0.5,
+           "best_schedule_frac": 0.6, "per_request_us": 12.0, "sdpa_flash_us": 11.0, "sdpa_flash_mask": "causal",
+           "sdpa_efficient_us": None, "sdpa_efficient_error": "no GQA", "best_baseline": "sdpa_flash_us",
+           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0}}
+    md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
+                   "seconds": 30.0, "rows": [row]})
+    assert "| tp4 (6/1) | 1024 | 2 | 10.0 | 50% | 60% | 12.0 | 11.0 | n/a | sdpa_flash_us | x1.10 |" in md
+    assert "no GQA" in md and "`dfg_attn_x`" in md
