@@ -127,6 +127,17 @@ def device_errors(device: torch.device | int = 0, clear: bool = True) -> list[st
     return [msg for bit, msg in _ERR_BITS.items() if bits & bit]
 
 
+def _require_cuda(q: torch.Tensor) -> None:
+    if not q.is_cuda:
+        _fail("paged_verify_attention runs on CUDA tensors (use verify_attention_reference on the CPU)")
+
+
+def _stream(dev: torch.device) -> tuple[int, int]:
+    """(device index, torch's current stream handle) for a launch."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return idx, torch.cuda.current_stream(dev).cuda_stream
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -213,8 +224,7 @@ def paged_verify_attention(
     is being captured, where bad values set :func:`device_errors` instead. ``kernel`` picks a
     schedule by name (benchmarks); the default schedule otherwise.
     """
-    if not q.is_cuda:
-        _fail("paged_verify_attention runs on CUDA tensors (use verify_attention_reference on the CPU)")
+    _require_cuda(q)
     nb, nq, hq, d, num_blocks, page, hkv = check_inputs(q, k_pool, v_pool, block_tables, lengths)
     dev = q.device
     kv = KV_TAG[k_pool.dtype]
@@ -241,10 +251,9 @@ def paged_verify_attention(
     part_ml = torch.empty(nb * hkv * max_splits * rows * 2, dtype=torch.float32, device=dev)
     fp8_unit = 256.0 if kv == "e4m3" else 1.0  # E4M3 decodes to value * 2^-8 (exact)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx, stream = _stream(dev)
     fn = _launcher(entry, idx)
     err = _err_flag(idx)
-    stream = torch.cuda.current_stream(dev).cuda_stream
     vp = ctypes.c_void_p
     fn.main.launch(
         (max_splits, hkv, nb), (entry["threads"], 1, 1),

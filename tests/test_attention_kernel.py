@@ -383,3 +383,82 @@ def test_sm70_fragment_dataflow() -> None:
                     assert (row, col) == (8 * rb + crow(i, e), 8 * (db0 + 2 * n) + ccol(i, e))
                     o[row, col] = acc[crow(i, e), ccol(i, e)]
     assert torch.equal(o, p @ v)
+
+
+def test_bench_markdown_renders_a_report() -> None:
+    from dflashgen.attn_bench import markdown
+
+    row = {"heads": "tp4", "hq": 6, "hkv": 1, "ctx": 1024, "B": 2, "ours_us": 10.0, "roofline_frac": 0.5,
+           "best_schedule_frac": 0.6, "per_request_us": 12.0, "sdpa_flash_us": 11.0, "sdpa_flash_mask": "causal",
+           "sdpa_efficient_us": None, "sdpa_efficient_error": "no GQA", "best_baseline": "sdpa_flash_us",
+           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0}}
+    md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
+                   "seconds": 30.0, "rows": [row]})
+    assert "| tp4 (6/1) | 1024 | 2 | 10.0 | 50% | 60% | 12.0 | 11.0 | n/a | sdpa_flash_us | x1.10 |" in md
+    assert "no GQA" in md and "`dfg_attn_x`" in md
+
+
+class _Recorder:
+    """Stands in for a loaded kernel's two functions: records each launch."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.main, self.merge = self._fn("main"), self._fn("merge")
+
+    def _fn(self, which: str):
+        rec = self
+
+        class Fn:
+            def launch(self, grid, block, args, stream, shared=0) -> None:
+                rec.calls.append((which, grid, block, [getattr(a, "value", a) for a in args], shared))
+
+        return Fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_launch_arguments(monkeypatch, dtype) -> None:
+    """The host side of a launch with the driver stubbed: grid, block, shared memory, strides of an
+    interleaved pool, the folded softmax / FP8 scales, and the capacity the kernels check against."""
+    import dflashgen.runtime.attention_kernel as ak
+
+    rec = _Recorder()
+    monkeypatch.setattr(ak, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(ak, "kernel_arch", lambda dev, arch=None: 90)
+    monkeypatch.setattr(ak, "_stream", lambda dev: (0, 0))
+    monkeypatch.setattr(ak, "_launcher", lambda entry, idx: rec)
+    monkeypatch.setattr(ak, "_err_flag", lambda idx: torch.zeros(1, dtype=torch.int32))
+    kv = torch.zeros(10, 2, 16, 1, 256, dtype=dtype)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32)
+    out = ak.paged_verify_attention(torch.zeros(2, 8, 6, 256), kv[:, 0], kv[:, 1], tables,
+                                    torch.tensor([64, 20], dtype=torch.int32), k_scale=0.5, v_scale=0.25)
+    assert out.shape == (2, 8, 6, 256) and out.dtype == torch.float32
+    e = select_kernel(90, 6, 1, 256, ak.KV_TAG[dtype], 16)
+    (w1, grid, block, a, smem), (w2, mgrid, mblock, m, _) = rec.calls
+    splits = -(-64 // e["split"])
+    assert (w1, grid, block, smem) == ("main", (splits, 1, 2), (e["threads"], 1, 1), e["smem"])
+    assert (w2, mgrid, mblock) == ("merge", (48, 1, 2), (64, 1, 1))
+    assert a[3] - a[2] == 16 * 256 * kv.element_size() and a[4] == 2 * 16 * 256  # V half, block stride
+    unit = 256 if dtype != torch.float16 else 1  # E4M3 decodes to value * 2^-8
+    assert a[9] == pytest.approx(0.5 * unit / 16 * 1.4426950408889634) and a[12] == splits
+    assert m[4] == 64 and m[5] == splits and m[6] == pytest.approx(0.25 * unit)
+
+
+def test_dense_cache_chunks_prefill_into_verify_blocks(monkeypatch) -> None:
+    import dflashgen.runtime.attention_kernel as ak
+
+    seen = []
+
+    def fake(q, kp, vp, table, lens, **kw):
+        seen.append((tuple(q.shape), tuple(kp.shape), table[1, :2].tolist(), lens.tolist()))
+        return torch.zeros(q.shape)
+
+    monkeypatch.setattr(ak, "kernel_supported", lambda *a: True)
+    monkeypatch.setattr(ak, "paged_verify_attention", fake)
+    kc = torch.zeros(2, 64, 4, 256, dtype=torch.float16)
+    out = ak.dense_verify_attention(torch.zeros(2, 20, 24, 256), kc, kc, torch.tensor([20, 50]))
+    assert out is not None and out.shape == (2, 20, 24, 256)
+    # [B, max_len] viewed as 16-token pages, request b owning pages 4b..4b+3; 8-row chunks of the 20
+    # queries end at positions length - 12, length - 4 and length.
+    assert seen == [((2, 8, 24, 256), (8, 16, 4, 256), [4, 5], [8, 38]),
+                    ((2, 8, 24, 256), (8, 16, 4, 256), [4, 5], [16, 46]),
+                    ((2, 4, 24, 256), (8, 16, 4, 256), [4, 5], [20, 50])]

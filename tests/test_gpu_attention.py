@@ -50,8 +50,10 @@ class Case:
                 x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
             return x.to(dtype)
 
-        if interleaved:
-            self.kv = torch.stack([fill(self.k_scale, 2.0), fill(self.v_scale, 1.0)], dim=1)
+        if interleaved:  # copy_ (not stack/cat): works for every FP8 dtype
+            self.kv = torch.empty((nblocks, 2, *shape[1:]), dtype=dtype, device=dev)
+            self.kv[:, 0].copy_(fill(self.k_scale, 2.0))
+            self.kv[:, 1].copy_(fill(self.v_scale, 1.0))
             self.k_pool, self.v_pool = self.kv[:, 0], self.kv[:, 1]
         else:
             self.k_pool, self.v_pool = fill(self.k_scale, 2.0), fill(self.v_scale, 1.0)
@@ -73,9 +75,12 @@ class Case:
     def gathered(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.lengths_list[b]
         ids = self.table[b, : -(-n // self.page)].long()
-        k = self.k_pool[ids].reshape(-1, *self.k_pool.shape[2:])[:n].float() * self.k_scale
-        v = self.v_pool[ids].reshape(-1, *self.v_pool.shape[2:])[:n].float() * self.v_scale
-        return k, v
+
+        def pages(pool: torch.Tensor, scale: float) -> torch.Tensor:
+            raw = pool.view(torch.uint8)[ids] if pool.element_size() == 1 else pool[ids]  # FP8 gathered as bytes
+            return raw.view(pool.dtype).reshape(-1, *pool.shape[2:])[:n].float() * scale
+
+        return pages(self.k_pool, self.k_scale), pages(self.v_pool, self.v_scale)
 
     def reference(self) -> torch.Tensor:
         """FP32 softmax attention per request over its dequantised keys (GQA without expansion)."""
