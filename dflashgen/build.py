@@ -24,7 +24,7 @@ from typing import Any
 from filelock import FileLock
 
 from . import __version__
-from .render import all_entries, generated_dir, load_manifest, template_hash
+from .render import all_entries, generated_dir, header_hash, load_manifest
 from .toolchain import CXX_FLAGS, Plan, ToolchainError, fingerprint, parse_ptxas_log, plan_for
 
 
@@ -77,22 +77,21 @@ def _ninja_header() -> list[str]:
 def write_ninja(build_dir: Path, kernels: Sequence[dict[str, Any]], plans: dict[int, Plan]) -> list[Artifact]:
     """Write build.ninja for ``kernels`` and return their (content-keyed) artifacts."""
     src_root = generated_dir()
-    thash = template_hash()
     lines = _ninja_header()
     arts = []
     srcdir = build_dir / "src"
     srcdir.mkdir(parents=True, exist_ok=True)
     for k in kernels:
         plan = plans[k["arch"]]
-        fp = fingerprint(__version__, k["source_sha256"], thash, plan.version, plan.frontend, " ".join(CXX_FLAGS),
-                         str(k["arch"]))
-        art = _artifact(build_dir, k["arch"], k["name"], fp)
         src = srcdir / f"{k['source_sha256'][:24]}.cu"
         if not src.exists():  # content-addressed copy: rewriting generated/ does not trigger builds
             text = k["source"] if "source" in k else (src_root / k["file"]).read_text()
             tmp = src.with_name(f".{src.name}.{os.getpid()}")
             tmp.write_text(text)
             os.replace(tmp, src)
+        fp = fingerprint(__version__, k["source_sha256"], header_hash(src.read_text()), plan.version, plan.frontend,
+                         " ".join(CXX_FLAGS), str(k["arch"]))
+        art = _artifact(build_dir, k["arch"], k["name"], fp)
         rule = "nvrtc" if plan.frontend == "nvrtc" else "nvcc_ptx"
         lines += [f"build {art.ptx}: {rule} {src}", f"  arch = {k['arch']}", f"  name = {k['name']}",
                   f"build {art.cubin}: ptxas {art.ptx}", f"  arch = {k['arch']}", f"  name = {k['name']}",

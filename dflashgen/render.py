@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -166,6 +167,29 @@ def template_hash() -> str:
     for rel in sorted(_template_files()):
         h.update(rel.encode())
         h.update((root / rel).read_bytes())
+    return h.hexdigest()
+
+
+_INCLUDE = re.compile(r'#include\s*[<"](?:dflashgen/)?([\w.]+\.cuh)[>"]')
+
+
+def header_hash(source: str) -> str:
+    """Hash of the dflashgen headers ``source`` includes, transitively: with the source itself, all
+    a kernel's build depends on among our files (a change to another family's header rebuilds
+    nothing here)."""
+    inc = Path(str(resources.files("dflashgen.templates"))) / "include" / "dflashgen"
+    seen: list[str] = []
+    todo = _INCLUDE.findall(source)
+    while todo:
+        name = todo.pop()
+        if name in seen or not (inc / name).is_file():
+            continue
+        seen.append(name)
+        todo += _INCLUDE.findall((inc / name).read_text())
+    h = hashlib.sha256()
+    for name in sorted(seen):
+        h.update(name.encode())
+        h.update((inc / name).read_bytes())
     return h.hexdigest()
 
 

@@ -95,3 +95,15 @@ def test_kernel_families_are_planned_built_and_pruned(tmp_path: Path, monkeypatc
     monkeypatch.delitem(render.FAMILY_MODULES, "toy")
     d = write(plan(load_targets(SMALL)), out)  # the family is gone: its file and folders go too
     assert rel in d.stale and not (out / "toy").exists()
+
+
+def test_build_fingerprint_covers_exactly_the_included_headers() -> None:
+    from dflashgen.render import _INCLUDE, header_hash
+
+    src = render_kernel(candidates(90, "nvfp4", 5120, 6144)[0])
+    assert _INCLUDE.findall(src) == ["skinny_gemm.cuh"]
+    # the closure reaches decode.cuh and mma_traits.cuh through skinny_gemm.cuh ...
+    assert header_hash(src) == header_hash("#include <dflashgen/skinny_gemm.cuh>")
+    # ... and not another family's header
+    assert header_hash(src) != header_hash("#include <dflashgen/verify_attention.cuh>")
+    assert header_hash("no includes") == header_hash("")
