@@ -404,12 +404,13 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
                           num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler)
-        dec_info = {"graphs": dec.steps.capture_enabled, "sampler": dec.sampler}
         if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
         dec.observer = clock
         outs = dec.generate(prompts, params, cfg.output_len, seed=cfg.seed)
+        # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
+        dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
         s = dec.stats.summary()
         tokens = sum(len(o) for o in outs)
         row: dict[str, Any] = {
