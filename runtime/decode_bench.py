@@ -382,8 +382,10 @@ def _median(v: Sequence[float]) -> float | None:
 
 
 def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = "",
-                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The report (JSON-ready): ``header``, ``command``, ``config``, ``rows`` (one per B)."""
+                     log: Callable[[str], None] | None = None,
+                     on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The report (JSON-ready): ``header``, ``command``, ``config``, ``rows`` (one per B).
+    ``on_row``: called with the report so far after each B (partial results survive a later failure)."""
     vocab = target.cfg.vocab_size
     cfg.validate()
     max_len = cfg.max_len or cfg.prompt_len + cfg.output_len
@@ -402,12 +404,13 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
                           num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler)
-        dec_info = {"graphs": dec.steps.capture_enabled, "sampler": dec.sampler}
         if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
         dec.observer = clock
         outs = dec.generate(prompts, params, cfg.output_len, seed=cfg.seed)
+        # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
+        dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
         s = dec.stats.summary()
         tokens = sum(len(o) for o in outs)
         row: dict[str, Any] = {
@@ -433,6 +436,14 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         if log:
             log(f"B={b}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
                 f"{row['completed']}/{cfg.prompts} completed")
+        if on_row is not None:
+            on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
+    return _report(target, cfg, label, rows, dec_info, command, max_len)
+
+
+def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[str, Any]],
+            dec_info: dict[str, Any], command: str, max_len: int) -> dict[str, Any]:
+    """The report of the rows so far (ratios to B1 filled in place)."""
     b1 = next((r["output_tok_s"] for r in rows if r["B"] == 1), None)
     for r in rows:
         r["vs_b1"] = r["output_tok_s"] / b1 if b1 else None
@@ -682,7 +693,13 @@ def _run_bench(args: argparse.Namespace) -> int:
                                  invariant=args.batch_invariant)
             if ctx is not None:
                 dist.barrier()  # every rank loaded before rank 0 removes its temp dir
-        report = run_decode_bench(target, cfg, command=command, log=log)
+        out_dir = args.out if args.out and (ctx is None or ctx.rank == 0) else None
+
+        def on_row(rep: dict[str, Any]) -> None:  # each finished B is on disk at once
+            if out_dir:
+                write_report(rep, out_dir)
+
+        report = run_decode_bench(target, cfg, command=command, log=log, on_row=on_row)
     except (ValueError, FileNotFoundError) as e:
         print(f"decode-bench: error: {e}", file=sys.stderr)
         if ctx is not None:

@@ -20,6 +20,7 @@ Weights: drawn from a seed under ``load_state_dict``-compatible names (``fc.weig
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -578,11 +579,17 @@ class StaticDFlashDrafter:
                     self._step(b)
         torch.cuda.current_stream().wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        for b in range(1, self.max_batch + 1):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._step(b)
-            self._graphs[b] = (g, out)
+        try:
+            for b in range(1, self.max_batch + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._step(b)
+                self._graphs[b] = (g, out)
+        except RuntimeError as e:  # the same step eagerly, said loudly
+            logging.getLogger("dflashgen").warning(
+                "dflashgen: CUDA graph capture of the draft pass failed (%s); running it eagerly", e)
+            self._graphs.clear()
+            self.graphs = False
         self.ctx_len.zero_()
         self.h_base.zero_()
         torch.cuda.synchronize(self.ctx_len.device)

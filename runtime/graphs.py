@@ -19,6 +19,7 @@ state holds no requests, and the state is emptied afterwards.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = ["DecodeGraphs"]
 
 Tensor = torch.Tensor
 _WARMUP = 2
+log = logging.getLogger("dflashgen")
 
 
 class DecodeGraphs:
@@ -87,13 +89,20 @@ class DecodeGraphs:
                     self._rollback(b)  # lengths buffer = 0 = base: back to the empty state
         torch.cuda.current_stream().wait_stream(side)
         self.pool = torch.cuda.graph_pool_handle()
-        for b in range(1, self.max_batch + 1):
-            gv, gr = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gv, pool=self.pool):
-                out = self._verify(b)
-            with torch.cuda.graph(gr, pool=self.pool):
-                self._rollback(b)
-            self._graphs[b] = (gv, gr, out)
+        try:
+            for b in range(1, self.max_batch + 1):
+                gv, gr = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gv, pool=self.pool):
+                    out = self._verify(b)
+                with torch.cuda.graph(gr, pool=self.pool):
+                    self._rollback(b)
+                self._graphs[b] = (gv, gr, out)
+        except RuntimeError as e:  # a step that cannot be captured: the same steps eagerly, said loudly
+            log.warning("dflashgen: CUDA graph capture of the decode steps failed (%s); running them eagerly", e)
+            self._graphs.clear()
+            self.capture_enabled = False
+            for sub in self._subs.values():
+                sub._span = 0
         for s in range(st.batch):  # nothing ran during capture; the warmup left stale, masked entries
             st.reset(s)
         torch.cuda.synchronize(st.lengths.device)

@@ -56,6 +56,7 @@ streams and deadlock the next collective. The cost is one tiny collective each, 
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
@@ -87,6 +88,7 @@ Tensor = torch.Tensor
 DraftOutput = Tensor | tuple[Tensor, Tensor | None]
 PHASES = ("draft", "target", "sample", "host")
 MAX_GRAPH_BATCH = 8  # CUDA graphs are captured for B = 1..8
+log = logging.getLogger("dflashgen")
 
 
 # --------------------------------------------------------------------------- drafters
@@ -568,9 +570,15 @@ class SpecDecoder:
         """Rejection sampling of one round: the generated compact kernel (``sampler="compact"``) or
         the dense torch reference; both consume the same uniforms and agree on every decision."""
         if self.sampler == "compact":
+            from .driver import DriverError
+            from .images import KernelImageError
             from .rejection import compact_verify
 
-            return compact_verify(drafts, logits, params, u, q, accept_override=forced)
+            try:
+                return compact_verify(drafts, logits, params, u, q, accept_override=forced)
+            except (KernelImageError, DriverError) as e:  # no loadable image: the reference serves
+                log.warning("dflashgen: compact rejection kernel unavailable (%s); using the dense path", e)
+                self.sampler = "dense"
         return verify(drafts, logits, params, u, q, accept_override=forced)
 
     def _prefill(self, slots: list[_Request | None], joins: list[int]) -> None:

@@ -8,13 +8,16 @@ seed where the checkpoint lacks it (synthetic checkpoints hold only the projecti
 
 All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
 GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
-:meth:`DecodeState.checkpoint` armed, a forward keeps the GDN state after every position so that
-:meth:`DecodeState.rollback` to any accepted length is exact (speculative verify rounds).
+:meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta chunk terms from which
+:meth:`DecodeState.rollback` restores any accepted length exactly (speculative verify rounds).
+Forward and rollback use static shapes, update the state in place and never sync with the host
+(``check=False``), so :mod:`~.graphs` captures them as CUDA graphs per batch size.
 
-Batch invariance: no op reduces across requests; attention runs per request over that request's
-own keys; the GDN recurrence and conv are elementwise across requests. A request's logits can still
-differ from a single-request run by FP32 rounding (not bitwise): the projections run at M = B x T
-rows (CPU and GPU GEMMs round per shape) and right-padded prefill attends over the padded chunk.
+Batch invariance: no op reduces across requests; attention runs batched over each request's own
+cache (keys past its length masked to probability 0); the GDN recurrence and conv are per request.
+A request's logits can still differ from a single-request run by FP32 rounding (not bitwise): the
+projections run at M = B x T rows (CPU and GPU GEMMs round per shape; on a GPU
+:mod:`~.invariance` removes that for the projections) and the GDN chunk form rounds per chunk length.
 
 Tensor parallelism (:meth:`TargetModel.from_checkpoint` with ``tp > 1`` and a :class:`~.parallel.TPContext`):
 each rank holds its projection shards (wrapped by :func:`~.parallel.wrap_projections`: column-parallel

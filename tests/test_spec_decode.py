@@ -357,3 +357,19 @@ def test_verify_accept_override() -> None:
     assert torch.equal(r.tokens[2, :3], drafts[2]) and 0 <= r.tokens[2, 3] < 11  # bonus from p
     with pytest.raises(TypeError, match="accept_override"):
         verify(drafts, logits, params, u, accept_override=forced.long())
+
+
+def test_compact_sampler_falls_back_to_dense(model: TargetModel, oracle: list[list[int]], monkeypatch) -> None:
+    """No loadable rejection kernel (e.g. AOT-only without an image): the dense reference serves."""
+    from dflashgen.runtime import rejection
+    from dflashgen.runtime.images import KernelImageError
+
+    def unavailable(*args, **kwargs):
+        raise KernelImageError("not prebuilt")
+
+    monkeypatch.setattr(rejection, "compact_verify", unavailable)
+    dec = SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, sampler="compact")
+    assert dec.generate(PROMPTS, GREEDY, N_NEW) == oracle
+    assert dec.sampler == "dense"
+    with pytest.raises(ValueError, match="sampler"):
+        SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, sampler="fast")

@@ -6,8 +6,9 @@
 # x 1024 tokens -> 512; B = 1, 2, 4, 8; replay drafter, accepted length ~4.3, official sampling).
 #   OUT=/some/dir bash tools/gpu_decode.sh        (carry .build like tools/gpu_session.sh)
 # Writes 4 files under $OUT: gpu_decode.log (every step, elapsed seconds), pytest-decode.log,
-# decode_bench.json, decode_bench.md. Bound: each step has its own timeout (below); worst case
-# ~24 min, expected ~8-10 min with a warm .build (see the step lines in gpu_decode.log).
+# decode_bench.json, decode_bench.md. Bound: each step has its own timeout (below), 24 min in all;
+# expected ~8-12 min (build 0-4 min depending on .build, GPU tests ~2, smoke ~1, full-size bench ~4-5
+# including the checkpoint write); gpu_decode.log has every step's elapsed seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 LOG=$OUT/gpu_decode.log; : > "$LOG"
@@ -19,8 +20,8 @@ fi
 T0=$SECONDS
 log() { echo "$*" | tee -a "$LOG"; }
 step() {  # step TIMEOUT_S CMD...: run with a timeout, log its output tail and elapsed time
-  local lim=$1; shift; local t=$SECONDS
-  log "== [$((SECONDS - T0)) s] $* (timeout ${lim} s)"
+  local lim=$1; shift; local t=$SECONDS cmd="$*"
+  log "== [$((SECONDS - T0)) s] ${cmd:0:200} (timeout ${lim} s)"
   timeout "$lim" "$@" 2>&1 | tail -40 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   log "   (rc $rc, $((SECONDS - t)) s)"
