@@ -58,10 +58,10 @@ def test_legality_rules() -> None:
 def test_name_encodes_every_parameter() -> None:
     s = _spec(rows=32, warp_nt=2, stages=4)
     pattern = (r"dfg_sm(\d+)_(\w+?)_(store|silu)_n(\d+)_k(\d+)_sk(\d+)_wk(\d+)_kg(\d+)"
-               r"_r(\d+)_nt(\d+)_wn(\d+)_st(\d+)")
+               r"_r(\d+)_nt(\d+)_wn(\d+)_st(\d+)_mb(\d+)")
     m = re.fullmatch(pattern, s.name)
     assert m is not None
-    assert m.groups() == ("90", "nvfp4", "store", "5120", "6144", "1", "4", "64", "32", "2", "2", "4")
+    assert m.groups() == ("90", "nvfp4", "store", "5120", "6144", "1", "4", "64", "32", "2", "2", "4", "1")
 
 
 def test_space_files_load() -> None:
