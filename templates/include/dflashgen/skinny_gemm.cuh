@@ -94,19 +94,29 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
 
-      // Activations for the first group; later ones are fetched one group ahead of their MMAs into
-      // the other buffer. A trip covers U groups, U a multiple of 2 and of STAGES, so both the
-      // weight ring slot (u % STAGES) and the activation buffer (u & 1) are compile-time per step
-      // and nothing is copied between registers at the back edge.
+      // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
+      // their MMAs into the other buffer. Otherwise (large row tiles, where two buffers cost
+      // 2 x NT8 x KSUB x 4 registers and occupancy) each group's activations are loaded at the top
+      // of its step and other warps hide the latency. A trip covers U groups, U a multiple of 2
+      // and of STAGES, so the weight ring slot (u % STAGES) and the activation buffer (u & 1) are
+      // compile-time per step and nothing is copied between registers at the back edge.
       constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
-      typename T::XFrag xb[2][NT8];
+      constexpr int XBUF = Cfg::X_AHEAD ? 2 : 1;
+      typename T::XFrag xb[XBUF][NT8];
+      if constexpr (Cfg::X_AHEAD) {
 #pragma unroll
-      for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, 0, xb[0][j]);
+        for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, 0, xb[0][j]);
+      }
 
       // Group g + u of the running pointers' trip: decode, refill its ring slot STAGES ahead,
-      // fetch the next group's activations (if `more`), MMAs.
+      // fetch activations (the next group's if X_AHEAD and `more`), MMAs.
       auto step = [&](const int u, const bool more) {
         const int s = u % Cfg::STAGES;
+        const int xc = Cfg::X_AHEAD ? (u & 1) : 0;
+        if constexpr (!Cfg::X_AHEAD) {
+#pragma unroll
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, u * T::KG, xb[0][j]);
+        }
         typename T::Frag frag[Cfg::WARP_NT];
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
@@ -114,12 +124,14 @@ struct SkinnyGemm {
           wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
           if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
         }
+        if constexpr (Cfg::X_AHEAD) {
 #pragma unroll
-        for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + 1) * T::KG, xb[(u + 1) & 1][j]);
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + 1) * T::KG, xb[(u + 1) & 1][j]);
+        }
 #pragma unroll
         for (int j = 0; j < NT8; ++j)
 #pragma unroll
-          for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xb[u & 1][j], acc[i][j]);
+          for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xb[xc][j], acc[i][j]);
       };
 
       // Full trips with a group after them: no per-group bounds check, every fetch taken.
