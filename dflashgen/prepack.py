@@ -1,6 +1,7 @@
 """Offline weight prepack into each arch's MMA fragment order (mirrors templates/include/dflashgen/
-mma_traits.cuh). Every layout is a pure reshape + permutation of the (row-permuted, zero-padded)
-logical tensor, so it is exactly reversible: ``unpack_*`` inverts ``prepack_*``.
+mma_traits.cuh). Every layout is a reshape + permutation of the (row-permuted, zero-padded) logical
+tensor (NVFP4 on sm_89+ adds a bit-level repack of each 8-code word), exactly reversible:
+``unpack`` inverts ``prepack``.
 
 Packed weights: per (warp tile, K group) 32 lanes x 16 bytes, tiles outermost, so a warp streams
 contiguous 512-byte chunks. NVFP4 block scales: per (tile, group) the bytes each lane needs.
@@ -14,9 +15,15 @@ import torch
 
 from .weights import FP8ChannelWeight, NVFP4Weight, WeightError, pack_nibbles, unpack_nibbles
 
-# Nibble position p inside a 32-bit word holds element NIBBLE_ORDER[p] of the lane's eight
-# consecutive K values, so that half2 pair j = (element 2j, 2j+1) sits in nibbles (j, j + 4).
+# Table-free decoder (sm_70 / sm_80): nibble position p inside a 32-bit word holds element
+# NIBBLE_ORDER[p] of the lane's eight consecutive K values, so that half2 pair j = (element 2j,
+# 2j+1) sits in nibbles (j, j + 4).
 NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+# sm_89+ decodes through the hardware E4M3 conversion (decode.cuh): byte i of a word holds element i
+# as an E4M3 byte (sign bit 7, e1 e0 m at bits 4..2) and element i + 4 in the other bits (sign 5,
+# e1 6, e0 m 1..0). A bit-level repack, inverted exactly by _e4m3_ready_decode.
+HW_E4M3_MIN_ARCH = 89
 
 # Zero groups appended to every packed stream: the kernels' register pipeline prefetches up to
 # this many groups past a worker's range without bounds checks (PAD_GROUPS in decode.cuh).
@@ -57,6 +64,18 @@ class Layout:
     @property
     def k_group(self) -> int:
         return K_GROUP[(self.fam, self.fmt)]
+
+    @property
+    def hw_e4m3(self) -> bool:
+        """The kernel decodes with cvt.rn.f16x2.e4m3x2 (sm_89+); NVFP4 codes are packed E4M3-ready."""
+        return self.fam == "sm80" and self.arch >= HW_E4M3_MIN_ARCH
+
+    @property
+    def decode_scale(self) -> float:
+        """Power of two the kernel's exact decode leaves out (folded into col_scale, decode.cuh)."""
+        if self.fmt == "nvfp4":
+            return 2.0**6 if self.hw_e4m3 else 2.0**7
+        return 1.0 if self.hw_e4m3 else 2.0**8
 
     @property
     def n_pad(self) -> int:
@@ -133,6 +152,19 @@ def _unpermute_rows(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return x[: layout.n]
 
 
+def _e4m3_ready_encode(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 8] E2M1 codes -> [..., 4] bytes in the sm_89+ order (see HW_E4M3_MIN_ARCH)."""
+    a, b = codes[..., :4], codes[..., 4:]
+    return ((a & 8) << 4) | ((a & 7) << 2) | ((b & 8) << 2) | ((b & 4) << 4) | (b & 3)
+
+
+def _e4m3_ready_decode(byts: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_e4m3_ready_encode`."""
+    a = ((byts >> 4) & 8) | ((byts >> 2) & 7)
+    b = ((byts >> 2) & 8) | ((byts >> 4) & 4) | (byts & 3)
+    return torch.cat([a, b], dim=-1)
+
+
 def _to_stream(x: torch.Tensor, view: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
     shape, perm = view
     return x.reshape(shape).permute(perm).reshape(-1)
@@ -152,7 +184,7 @@ class PackedWeight:
     layout: Layout
     weights: torch.Tensor  # uint8, 16-byte aligned stream
     scales: torch.Tensor | None  # uint8 stream (NVFP4 block scales) or None
-    col_scale: torch.Tensor  # float32 [N]: global / channel scale with the decode's 2^7 / 2^8 folded in
+    col_scale: torch.Tensor  # float32 [N]: global / channel scale times layout.decode_scale
 
 
 def prepack(w: NVFP4Weight | FP8ChannelWeight, layout: Layout) -> PackedWeight:
@@ -164,18 +196,21 @@ def prepack(w: NVFP4Weight | FP8ChannelWeight, layout: Layout) -> PackedWeight:
             raise WeightError(f"NVFP4 weight given to a {layout.fmt} layout")
         codes = _permute_rows(w.codes(), layout)
         stream = _to_stream(codes, layout.weight_view())
-        stream = stream.reshape(-1, 4, 2).transpose(1, 2).reshape(1, -1)  # NIBBLE_ORDER as a view
-        weights = pack_nibbles(stream).reshape(-1)
+        if layout.hw_e4m3:
+            weights = _e4m3_ready_encode(stream.reshape(-1, 8)).reshape(-1)
+        else:
+            stream = stream.reshape(-1, 4, 2).transpose(1, 2).reshape(1, -1)  # NIBBLE_ORDER as a view
+            weights = pack_nibbles(stream).reshape(-1)
         bs = _permute_rows(w.block_scale.view(torch.uint8), layout)
         scales = _to_stream(bs, layout.scale_view()).contiguous()
-        col = w.column_scale() * 2.0**7
+        col = w.column_scale() * layout.decode_scale
     else:
         if layout.fmt != "fp8_channel":
             raise WeightError(f"channel-FP8 weight given to a {layout.fmt} layout")
         raw = _permute_rows(w.weight.view(torch.uint8), layout)
         weights = _to_stream(raw, layout.weight_view()).contiguous()
         scales = None
-        col = w.scale * 2.0**8
+        col = w.scale * layout.decode_scale
     weights = torch.cat([weights, weights.new_zeros(PAD_GROUPS * GROUP_BYTES)])
     if scales is not None:
         scales = torch.cat([scales, scales.new_zeros(PAD_GROUPS * SCALE_GROUP_BYTES)])
@@ -189,8 +224,11 @@ def unpack(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     payload_bytes = lay.n_pad * lay.k // (2 if lay.fmt == "nvfp4" else 1)
     weights = p.weights[:payload_bytes]  # drop the prefetch padding
     if lay.fmt == "nvfp4":
-        nib = unpack_nibbles(weights.reshape(1, -1))
-        stream = nib.reshape(-1, 2, 4).transpose(1, 2).reshape(-1)  # inverse of NIBBLE_ORDER
+        if lay.hw_e4m3:
+            stream = _e4m3_ready_decode(weights.reshape(-1, 4)).reshape(-1)
+        else:
+            nib = unpack_nibbles(weights.reshape(1, -1))
+            stream = nib.reshape(-1, 2, 4).transpose(1, 2).reshape(-1)  # inverse of NIBBLE_ORDER
         codes = _unpermute_rows(_from_stream(stream, lay.weight_view(), lay.k), lay)
         sc = p.scales[: lay.n_pad * lay.k // 16]
         scales = _unpermute_rows(_from_stream(sc, lay.scale_view(), lay.k // 16), lay)

@@ -51,12 +51,21 @@ def render_kernel(spec: KernelSpec) -> str:
         mma=MMA_NAME[spec.fam], fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
         n_out=spec.n_out, split_k=spec.kplan.split_k, warps_k=spec.kplan.warps_k, kg=spec.kplan.k_group,
         rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
+        x_ahead=spec.tile.x_ahead,
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
         epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,
-        # For 512-thread CTAs ptxas' default register target (~40) spills; one block per SM is enough.
-        min_blocks=", 1" if spec.threads >= 512 else "",
+        min_blocks=_min_blocks_arg(spec),
     )
+
+
+def _min_blocks_arg(spec: KernelSpec) -> str:
+    """The __launch_bounds__ min-blocks argument. Without one ptxas picks its own register target,
+    which for 512-thread CTAs spills; an explicit 1 lets it take up to 255 registers (and it does),
+    so 1 is written only for 512-thread CTAs."""
+    if spec.tile.min_blocks > 1:
+        return f", {spec.tile.min_blocks}"
+    return ", 1" if spec.threads >= 512 else ""
 
 
 @dataclass(frozen=True)

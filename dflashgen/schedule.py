@@ -3,14 +3,16 @@
 Two levels, so batch invariance holds by construction:
 - ``KPlan`` (split_k, warps_k, k_group) fixes how K is cut and in which order partial sums meet. It
   is a function of (arch, format, N, K) only.
-- ``Tile`` (rows, warp_nt, warps_n, stages) is what the tuner may change per M: rows per CTA and
-  N tiling, neither of which touches the reduction.
+- ``Tile`` (rows, warp_nt, warps_n, stages, x_ahead, min_blocks) is what the tuner may change per
+  M: rows per CTA, N tiling, activation prefetch and the occupancy hint, none of which touches the
+  reduction.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -53,7 +55,7 @@ def load_space(arch: int) -> ArchSpace:
         raise ScheduleError(f"schedules/sm_{arch}.yaml: missing or bad field: {e}") from e
     if space.arch != arch:
         raise ScheduleError(f"schedules/sm_{arch}.yaml says arch {space.arch}")
-    for knob in ("rows", "warp_nt", "warps_n", "stages"):
+    for knob in ("rows", "warp_nt", "warps_n", "stages", "x_ahead", "occupancy"):
         if not space.tiles.get(knob):
             raise ScheduleError(f"schedules/sm_{arch}.yaml: tiles.{knob} is empty")
     return space
@@ -72,6 +74,8 @@ class Tile:
     warp_nt: int
     warps_n: int
     stages: int
+    min_blocks: int = 1  # __launch_bounds__ min blocks per SM: caps registers at 64K / (threads * it)
+    x_ahead: int = 1  # 1: activations fetched one group ahead (two buffers); 0: at their group's top
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class KernelSpec:
         kp, t = self.kplan, self.tile
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}"
-                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}")
+                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -141,8 +145,9 @@ class KernelSpec:
         x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4  # per 8 rows, per group
         pipeline = self.tile.stages * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
-        # activations are double-buffered (current group + the one being fetched)
-        return acc + self.tile.warp_nt * a_frag + 2 * x_frag * n8 + pipeline + n8 * 3 + 32
+        # activations: current group + the one being fetched, or just the current one
+        xbuf = 2 if self.tile.x_ahead else 1
+        return acc + self.tile.warp_nt * a_frag + xbuf * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -167,6 +172,11 @@ def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
     while warps_k > 1 and groups // warps_k < min_groups:
         warps_k //= 2
     split_k = 1
+    # Split across CTAs only when the CTA's warps fall well short: a split costs a reduce launch and,
+    # on mid-size N (5120: 320 tiles), pushes the grid just past one wave (sk2 = 320 CTAs of 512
+    # threads for 264 slots), while warps_k alone already gives half the wanted warps.
+    if warps_k >= space.k_plan.get("split_if_below", 0.0) * want:
+        return KPlan(split_k=1, warps_k=warps_k, k_group=lay.k_group)
     while (warps_k * split_k < want and split_k * 2 <= space.k_plan["max_split_k"]
            and groups // (warps_k * split_k * 2) >= min_groups):
         split_k *= 2
@@ -192,6 +202,11 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"{tiles} warp tiles not divisible by warp_nt={t.warp_nt}"
     if groups < spec.kplan.split_k * spec.kplan.warps_k:
         return f"{groups} K groups for {spec.kplan.split_k * spec.kplan.warps_k} K workers"
+    if not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
+        return (f"x_ahead=0 only for warp_nt=1 tiles from rows={space.limits['x_ahead_off_from_rows']} "
+                "(the others have the registers or are register-bound on weights)")
+    if t.min_blocks < 1:
+        return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
         return f"{spec.threads} threads > {space.limits['max_threads']}"
     if spec.smem_bytes() > space.limits["smem_bytes"]:
@@ -200,7 +215,26 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     budget = min(space.limits["reg_budget"], 65536 // spec.threads)
     if spec.reg_estimate() > budget:
         return f"~{spec.reg_estimate()} registers > budget {budget} ({spec.threads} threads)"
+    if t.min_blocks > 1 and _reg_need(spec, space) > 65536 // (spec.threads * t.min_blocks):
+        return f"~{_reg_need(spec, space)} registers do not fit {t.min_blocks} blocks of {spec.threads} threads"
     return None
+
+
+def _reg_need(spec: KernelSpec, space: ArchSpace) -> int:
+    """Registers the tile really needs: the (deliberately generous) estimate less its measured
+    over-count, rounded up to the allocation unit of 8."""
+    return -(-(spec.reg_estimate() - space.limits["reg_slack"]) // 8) * 8
+
+
+def min_blocks(spec: KernelSpec, occupancy: int) -> int:
+    """The __launch_bounds__ min-blocks hint for a target of `occupancy` resident warps per SM:
+    the blocks that make up that many warps when the tile's registers fit them, else 1 (no cap
+    beyond the thread count; ptxas then keeps whatever it needs, spill-free)."""
+    space = load_space(spec.arch)
+    want = max(1, occupancy * 32 // spec.threads)
+    if want > 1 and _reg_need(spec, space) <= 65536 // (spec.threads * want):
+        return want
+    return 1
 
 
 def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
@@ -212,8 +246,12 @@ def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
     for rows in space.tiles["rows"]:
         for warp_nt in space.tiles["warp_nt"]:
             for warps_n in space.tiles["warps_n"]:
-                for stages in space.tiles["stages"]:
-                    spec = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages), serves)
-                    if illegal_reason(spec) is None:
-                        out.append(spec)
+                for stages, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"]):
+                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa)
+                    spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
+                    for occ in space.tiles["occupancy"]:
+                        t = replace(spec.tile, min_blocks=min_blocks(spec, occ))
+                        c = replace(spec, tile=t)
+                        if illegal_reason(c) is None and c not in out:
+                            out.append(c)
     return out

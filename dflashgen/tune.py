@@ -70,7 +70,9 @@ def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float, sms: int = 0) ->
     tile_rows = 16 if entry["arch"] >= 80 else 32
     ctas = blocks * math.ceil(entry["n_pad"] / tile_rows / (tile["warp_nt"] * tile["warps_n"])) \
         * entry["kplan"]["split_k"]
-    per_wave = sms * max(1, min(32, 2048 // entry["threads"]))
+    # resident CTAs per SM: the min-blocks hint where the kernel was capped for it, else by threads
+    per_wave = sms * (tile.get("min_blocks", 1) if tile.get("min_blocks", 1) > 1
+                      else max(1, min(32, 2048 // entry["threads"])))
     waves = math.ceil(ctas / per_wave)
     quantisation = waves * per_wave / ctas if ctas >= per_wave else 1.0
     return max(t_mem, t_mma) * quantisation + 2.0

@@ -83,8 +83,8 @@ def dequantize_packed(packed: PackedWeight) -> torch.Tensor:
     if lay.fmt == "nvfp4":
         ones = torch.ones(1, device=payload.device)
         w = NVFP4Weight(pack_nibbles(payload), scales.view(torch.float8_e4m3fn), ones, (lay.n,))
-        return w.dequantize() * (packed.col_scale / 2.0**7)[:, None]
-    w8 = FP8ChannelWeight(payload.view(torch.float8_e4m3fn), packed.col_scale / 2.0**8)
+        return w.dequantize() * (packed.col_scale / lay.decode_scale)[:, None]
+    w8 = FP8ChannelWeight(payload.view(torch.float8_e4m3fn), packed.col_scale / lay.decode_scale)
     return w8.dequantize()
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashgen.prepack import NIBBLE_ORDER, Layout, pack_nvfp4_roundtrip, prepack, unpack
+from dflashgen.prepack import (
+    NIBBLE_ORDER,
+    Layout,
+    _e4m3_ready_decode,
+    _e4m3_ready_encode,
+    pack_nvfp4_roundtrip,
+    prepack,
+    unpack,
+)
 from dflashgen.verify import random_fp8, random_nvfp4
 from dflashgen.weights import WeightError
 
@@ -36,10 +44,10 @@ def test_prepack_round_trip(arch: int, fmt: str, n: int, k: int, silu: bool) -> 
         assert torch.equal(scales, w.block_scale.view(torch.uint8))
         back = pack_nvfp4_roundtrip(w, lay)
         assert torch.equal(back.dequantize(), w.dequantize())
-        assert torch.allclose(p.col_scale, w.column_scale() * 128)
+        assert torch.allclose(p.col_scale, w.column_scale() * (64 if arch >= 89 else 128))
     else:
         assert torch.equal(payload, w.weight.view(torch.uint8))
-        assert torch.allclose(p.col_scale, w.scale * 256)
+        assert torch.allclose(p.col_scale, w.scale * (1 if arch >= 89 else 256))
 
 
 def _nibble(stream: torch.Tensor, idx: int) -> int:
@@ -52,7 +60,7 @@ def test_sm80_nvfp4_lane_reads_what_the_kernel_expects() -> None:
     words (p0,row g) (p0,row g+8) (p1,row g) (p1,row g+8); nibble pos -> K offset NIBBLE_ORDER."""
     n, k = 32, 128
     w = _weight("nvfp4", n, k, False, seed=3)
-    p = prepack(w, Layout(90, "nvfp4", n, k))
+    p = prepack(w, Layout(80, "nvfp4", n, k))
     codes = w.codes()
     groups = k // 64
     for tile in range(n // 16):
@@ -105,3 +113,62 @@ def test_prepack_rejects_mismatches() -> None:
         prepack(_weight("nvfp4", 32, 96, False), Layout(90, "nvfp4", 32, 96))
     with pytest.raises(WeightError, match="unsupported arch"):
         Layout(60, "nvfp4", 32, 128).check()
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1(code: int) -> float:
+    return (-1.0 if code & 8 else 1.0) * E2M1[code & 7]
+
+
+def _e4m3(byte: int) -> float:
+    return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+
+
+def _sm90_nvfp4_decode(word: int) -> tuple[int, int]:
+    """decode.cuh's e2m1x8_e4m3, bit for bit."""
+    lo = word & 0x9C9C9C9C
+    hi = ((word << 2) & 0x8C8C8C8C) | ((word >> 2) & 0x10101010)
+    return lo & 0xFFFFFFFF, hi & 0xFFFFFFFF
+
+
+def test_e4m3_ready_bytes_decode_exactly_for_every_code_pair() -> None:
+    """Every (code i, code i + 4) pair in a byte: the sm_89+ decoder yields E4M3 bytes equal to
+    e2m1 * 2^-6, signed zero included, and nothing leaks into neighbouring bytes."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    for a in range(16):
+        for b in range(16):
+            c = torch.stack([codes[a]] * 4 + [codes[b]] * 4).reshape(1, 8)
+            word = int.from_bytes(bytes(_e4m3_ready_encode(c).reshape(-1).tolist()), "little")
+            lo, hi = _sm90_nvfp4_decode(word)
+            for i in range(4):
+                blo, bhi = (lo >> (8 * i)) & 0xFF, (hi >> (8 * i)) & 0xFF
+                assert _e4m3(blo) == _e2m1(a) * 2.0**-6 and (blo >> 7) == (a >> 3)
+                assert _e4m3(bhi) == _e2m1(b) * 2.0**-6 and (bhi >> 7) == (b >> 3)
+            assert torch.equal(_e4m3_ready_decode(_e4m3_ready_encode(c)), c)
+
+
+def test_sm90_nvfp4_lane_reads_what_the_kernel_expects() -> None:
+    """sm_90 (hardware E4M3): word order as on sm_80; decoded byte i of the low word is K offset
+    8t + i, of the high word 8t + 4 + i (mma_traits.cuh's HW_E4M3 branch)."""
+    n, k = 32, 128
+    w = _weight("nvfp4", n, k, False, seed=3)
+    lay = Layout(90, "nvfp4", n, k)
+    assert lay.hw_e4m3 and lay.decode_scale == 64
+    p = prepack(w, lay)
+    codes = w.codes()
+    groups = k // 64
+    for tile in range(n // 16):
+        for grp in range(groups):
+            for lane in (0, 5, 13, 31):
+                g, t = lane // 4, lane % 4
+                base = ((tile * groups + grp) * 32 + lane) * 16
+                for word, (pp, rsel) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                    raw = int.from_bytes(bytes(p.weights[base + 4 * word : base + 4 * word + 4].tolist()), "little")
+                    lo, hi = _sm90_nvfp4_decode(raw)
+                    row = tile * 16 + g + 8 * rsel
+                    for e in range(8):
+                        byte = ((lo if e < 4 else hi) >> (8 * (e % 4))) & 0xFF
+                        kk = grp * 64 + 32 * pp + 8 * t + e
+                        assert _e4m3(byte) == _e2m1(int(codes[row, kk])) * 2.0**-6

@@ -142,8 +142,8 @@ def test_fused_projection_keeps_a_global_scale_per_segment(ckpt: Callable[[str, 
     assert torch.equal(w.global_scale, torch.cat([p.global_scale for p in parts]))
     assert len(set(w.global_scale.tolist())) == 3  # not collapsed with max()
     mods = load_model_projections(d, CFG, load_deployment("nvfp4"))
-    col = mods["layers.1.qkv_proj"].col_scale  # type: ignore[union-attr]
-    assert torch.equal(col, w.column_scale() * 128)
+    qkv = mods["layers.1.qkv_proj"]
+    assert torch.equal(qkv.col_scale, w.column_scale() * qkv.layout.decode_scale)  # type: ignore[union-attr]
     # in_proj_qkvz / in_proj_ba are single checkpoint matrices: one global scale each.
     z = load_projection(d, ["model.layers.0.linear_attn.in_proj_qkvz"])
     assert isinstance(z, NVFP4Weight) and z.segments == (768,) and z.global_scale.numel() == 1

@@ -47,6 +47,8 @@ def test_legality_rules() -> None:
     assert "shared memory" in illegal_reason(replace(_spec(rows=64, warp_nt=2, warps_n=4)))
     assert "stages" in illegal_reason(_spec(stages=12))
     assert "registers" in illegal_reason(_spec(rows=64, warp_nt=2, stages=8))
+    assert "x_ahead=0" in illegal_reason(_spec(rows=16, x_ahead=0))
+    assert illegal_reason(_spec(rows=32, x_ahead=0)) is None
     bad_n = KernelSpec(90, "nvfp4", 48, 6144, False, KPlan(1, 4, 64), Tile(8, 2, 2, 3))
     assert "warp_nt" in illegal_reason(bad_n)
     bad_k = KernelSpec(90, "nvfp4", 64, 96, False, KPlan(1, 1, 64), Tile(8, 1, 2, 3))
@@ -58,10 +60,10 @@ def test_legality_rules() -> None:
 def test_name_encodes_every_parameter() -> None:
     s = _spec(rows=32, warp_nt=2, stages=4)
     pattern = (r"dfg_sm(\d+)_(\w+?)_(store|silu)_n(\d+)_k(\d+)_sk(\d+)_wk(\d+)_kg(\d+)"
-               r"_r(\d+)_nt(\d+)_wn(\d+)_st(\d+)")
+               r"_r(\d+)_nt(\d+)_wn(\d+)_st(\d+)_xa(\d)_mb(\d+)")
     m = re.fullmatch(pattern, s.name)
     assert m is not None
-    assert m.groups() == ("90", "nvfp4", "store", "5120", "6144", "1", "4", "64", "32", "2", "2", "4")
+    assert m.groups() == ("90", "nvfp4", "store", "5120", "6144", "1", "4", "64", "32", "2", "2", "4", "1", "1")
 
 
 def test_space_files_load() -> None:

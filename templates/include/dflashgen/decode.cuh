@@ -1,13 +1,21 @@
 // dflashgen: exact weight decoders and memory helpers shared by every kernel family.
 //
-// All decoders are exact (no rounding) and need no lookup table, so they run on sm_70.
+// All decoders are exact (no rounding).
+// Table-free bit placement (sm_70 / sm_80, no FP8 conversion instruction):
 //  - E2M1 (NVFP4 element): sign to bit 15, magnitude bits to 9..11 gives value * 2^-14 in FP16.
 //  - E4M3 (NVFP4 block scale, FP8 weight): ((v & 0x80) << 8) | ((v & 0x7f) << 7) gives value * 2^-8,
 //    subnormals included.
-// The NVFP4 element is multiplied by its block scale held as s * 2^7: the product
-// e2m1 * s * 2^-7 is a multiple of 2^-17 with at most 6 significant bits and below 22, so it is
-// exact in FP16 (even where subnormal). The remaining 2^7 (NVFP4) or 2^8 (FP8) is folded into the
-// FP32 per-column scale applied in the epilogue.
+//  The NVFP4 element is multiplied by its block scale held as s * 2^7: the product e2m1 * s * 2^-7.
+// Hardware conversion (sm_89+: cvt.rn.f16x2.e4m3x2 = SASS F2FP, exact since E4M3 is a subset of FP16):
+//  - E4M3 (FP8 weight, NVFP4 block scale s): value * 2^0.
+//  - E2M1 code (s e1 e0 m) placed in an E4M3 byte as s << 7 | (e1 e0 m) << 2 is value * 2^-6 for every
+//    code: exponent field 00e1e0 with bias 7 vs E2M1's bias 1, mantissa m00; e1e0 = 0 is the E4M3
+//    subnormal m/2 * 2^-6, matching E2M1's subnormal 0.5. The NVFP4 product is e2m1 * s * 2^-6.
+// Exactness of the NVFP4 product e2m1 * s * 2^-j (j = 7 or 6): e2m1 has <= 2 significant bits and
+// |e2m1| <= 6, E4M3 s has <= 4 and 2^-9 <= s <= 448, so the product has <= 6 significant bits, is
+// a multiple of 2^-10 * 2^-j >= 2^-17 (FP16 subnormal step 2^-24) and at most 2688 * 2^-6 = 42, so
+// it is exact in FP16. The remaining 2^7 / 2^6 (NVFP4) or 2^8 / 1 (FP8) is folded into the FP32
+// per-column scale applied in the epilogue (prepack.Layout.decode_scale).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -41,6 +49,14 @@ __device__ __forceinline__ uint4 ld_act(const __half* p) {
   return r;
 }
 
+// Predicated form for the one-group-ahead activation fetch: when !p nothing is read and r keeps
+// whatever it held (the caller never uses it then), so no zero-fill or select is needed.
+__device__ __forceinline__ void ld_act_if(uint4& r, const __half* p, bool pred) {
+  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];}"
+               : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+               : "l"(p), "r"(static_cast<int>(pred)));
+}
+
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 d;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -66,6 +82,33 @@ __device__ __forceinline__ u32 e4m3x2(u32 w) {
 template <bool HI>
 __device__ __forceinline__ u32 block_scale_x2(u32 w) {
   return hmul2(e4m3x2<HI>(w), 0x78007800u);  // 0x7800 = 2^15
+}
+
+// sm_89+: the two E4M3 bytes of half H of w -> half2 (exact; byte 2H to the low half).
+template <int H>
+__device__ __forceinline__ u32 cvt_e4m3x2(u32 w) {
+  u32 d;
+  if constexpr (H == 0)
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(w));
+  else
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(d) : "r"(w));
+  return d;
+}
+
+// sm_89+ NVFP4: one word of 8 E2M1 codes in prepack's E4M3-ready bit order (per byte i: code i at
+// bits 7 (sign) and 4..2 (e1 e0 m) = already an E4M3 byte; code i + 4 with its sign at 5, e1 at 6,
+// e0 m at 1..0) -> two words of 4 E4M3 bytes each (value * 2^-6): codes 0..3 and 4..7. 5 ALU ops.
+__device__ __forceinline__ void e2m1x8_e4m3(u32 w, u32& lo, u32& hi) {
+  lo = w & 0x9C9C9C9Cu;
+  hi = ((w << 2) & 0x8C8C8C8Cu) | ((w >> 2) & 0x10101010u);
+}
+
+// a * (b's low or high half broadcast): ptxas folds the broadcast into HMUL2's .H0_H0 / .H1_H1.
+template <int H>
+__device__ __forceinline__ u32 hmul2_bcast(u32 a, u32 b) {
+  const __half2 x = *reinterpret_cast<const __half2*>(&a), y = *reinterpret_cast<const __half2*>(&b);
+  const __half2 r = __hmul2(x, H == 0 ? __low2half2(y) : __high2half2(y));
+  return *reinterpret_cast<const u32*>(&r);
 }
 
 __device__ __forceinline__ u32 bcast_lo(u32 h2) { return __byte_perm(h2, h2, 0x1010u); }

@@ -19,13 +19,16 @@ namespace dflashgen {
 // physical K positions 8t..8t+7; k-step s of the sub-block uses 8t+4s..8t+4s+3 (a K permutation
 // inside the MMA, identical for A and B, so one 16-byte activation load feeds two k-steps).
 // ---------------------------------------------------------------------------------------------
-template <Format F>
+template <Format F, int ARCH>
 struct Sm80Traits {
   static constexpr int TILE_ROWS = 16;
   static constexpr int KG = F == Format::NVFP4 ? 64 : 32;  // K per 16-byte weight load
   static constexpr int KSUB = KG / 32;                    // 32-K activation loads per group
   static constexpr int NACC = 4;                          // floats per thread per (tile, 8 rows)
   static constexpr int SCALE_WORDS = 16;                  // u32 of block scales per (tile, group)
+  // sm_89+ converts E4M3 in hardware (and NVFP4 via E4M3-ready bytes, see decode.cuh); the prepack
+  // lays NVFP4 codes out for whichever decoder the arch uses (prepack.Layout.hw_e4m3).
+  static constexpr bool HW_E4M3 = ARCH >= 89;
   using Scale = u32;
 
   // A fragments of one group: [k-step][4 registers].
@@ -34,7 +37,25 @@ struct Sm80Traits {
   };
 
   __device__ static void decode(const uint4& w, Scale sc, Frag& f) {
-    if constexpr (F == Format::NVFP4) {
+    if constexpr (F == Format::NVFP4 && HW_E4M3) {
+      // words as below; per word codes 0..3 -> k-step 2p (pairs 01, 23), codes 4..7 -> k-step 2p+1
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const u32 wg = p == 0 ? w.x : w.z, wg8 = p == 0 ? w.y : w.w;
+        const u32 s2 = p == 0 ? cvt_e4m3x2<0>(sc) : cvt_e4m3x2<1>(sc);  // (s_g, s_g8), exact
+        u32 g_lo, g_hi, g8_lo, g8_hi;
+        e2m1x8_e4m3(wg, g_lo, g_hi);
+        e2m1x8_e4m3(wg8, g8_lo, g8_hi);
+        f.a[2 * p + 0][0] = hmul2_bcast<0>(cvt_e4m3x2<0>(g_lo), s2);
+        f.a[2 * p + 0][1] = hmul2_bcast<1>(cvt_e4m3x2<0>(g8_lo), s2);
+        f.a[2 * p + 0][2] = hmul2_bcast<0>(cvt_e4m3x2<1>(g_lo), s2);
+        f.a[2 * p + 0][3] = hmul2_bcast<1>(cvt_e4m3x2<1>(g8_lo), s2);
+        f.a[2 * p + 1][0] = hmul2_bcast<0>(cvt_e4m3x2<0>(g_hi), s2);
+        f.a[2 * p + 1][1] = hmul2_bcast<1>(cvt_e4m3x2<0>(g8_hi), s2);
+        f.a[2 * p + 1][2] = hmul2_bcast<0>(cvt_e4m3x2<1>(g_hi), s2);
+        f.a[2 * p + 1][3] = hmul2_bcast<1>(cvt_e4m3x2<1>(g8_hi), s2);
+      }
+    } else if constexpr (F == Format::NVFP4) {
       // words: (p0,row g) (p0,row g+8) (p1,row g) (p1,row g+8); scale bytes: g.p0 g8.p0 g.p1 g8.p1
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
@@ -55,10 +76,17 @@ struct Sm80Traits {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const u32 wg = s == 0 ? w.x : w.y, wg8 = s == 0 ? w.z : w.w;
-        f.a[s][0] = e4m3x2<false>(wg);
-        f.a[s][1] = e4m3x2<false>(wg8);
-        f.a[s][2] = e4m3x2<true>(wg);
-        f.a[s][3] = e4m3x2<true>(wg8);
+        if constexpr (HW_E4M3) {
+          f.a[s][0] = cvt_e4m3x2<0>(wg);
+          f.a[s][1] = cvt_e4m3x2<0>(wg8);
+          f.a[s][2] = cvt_e4m3x2<1>(wg);
+          f.a[s][3] = cvt_e4m3x2<1>(wg8);
+        } else {
+          f.a[s][0] = e4m3x2<false>(wg);
+          f.a[s][1] = e4m3x2<false>(wg8);
+          f.a[s][2] = e4m3x2<true>(wg);
+          f.a[s][3] = e4m3x2<true>(wg8);
+        }
       }
     }
   }
@@ -67,11 +95,12 @@ struct Sm80Traits {
   struct XFrag {
     uint4 v[KSUB];
   };
-  __device__ static void load_x(const __half* row, bool ok, int k0, XFrag& x) {
-    const int t = threadIdx.x & 3;
+  // `row` already includes x_lane_offset(), so every load below is an immediate offset. Loads only
+  // when `pred` (else x keeps stale data the caller never uses).
+  __device__ static int x_lane_offset() { return 8 * (threadIdx.x & 3); }
+  __device__ static void load_x(const __half* row, bool pred, int k0, XFrag& x) {
 #pragma unroll
-    for (int p = 0; p < KSUB; ++p)
-      x.v[p] = ok ? ld_act(row + k0 + 32 * p + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
+    for (int p = 0; p < KSUB; ++p) ld_act_if(x.v[p], row + k0 + 32 * p, pred);
   }
 
   __device__ static void mma(const Frag& f, const XFrag& x, float (&c)[NACC]) {
@@ -107,7 +136,7 @@ struct Sm80Traits {
 // its block (A, row-major) and batch row i (B); it owns 32 (NVFP4) or 16 (FP8) consecutive K of
 // its row per 16-byte load. Accumulator layout: CuTe's SM70_8x8_32b.
 // ---------------------------------------------------------------------------------------------
-template <Format F>
+template <Format F, int ARCH>
 struct Sm70Traits {
   static constexpr int TILE_ROWS = 32;
   static constexpr int KG = F == Format::NVFP4 ? 32 : 16;
@@ -145,9 +174,10 @@ struct Sm70Traits {
   struct XFrag {
     uint4 v[KG / 8];
   };
-  __device__ static void load_x(const __half* row, bool ok, int k0, XFrag& x) {
+  __device__ static int x_lane_offset() { return 0; }
+  __device__ static void load_x(const __half* row, bool pred, int k0, XFrag& x) {
 #pragma unroll
-    for (int i = 0; i < KG / 8; ++i) x.v[i] = ok ? ld_act(row + k0 + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < KG / 8; ++i) ld_act_if(x.v[i], row + k0 + 8 * i, pred);
   }
 
   __device__ static void mma(const Frag& f, const XFrag& x, float (&c)[NACC]) {

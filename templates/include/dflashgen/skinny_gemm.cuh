@@ -55,13 +55,13 @@ struct SkinnyGemm {
 #pragma unroll
         for (int e = 0; e < T::NACC; ++e) acc[i][j][e] = 0.0f;
 
+    // Batch rows past M read row M - 1 instead: an MMA's output column depends only on its own
+    // B column, and those columns are never stored, so no per-row predicate is needed in the loop.
     const __half* xrow[NT8];
-    bool xok[NT8];
 #pragma unroll
     for (int j = 0; j < NT8; ++j) {
       const int m = m0 + 8 * j + T::b_mrow();
-      xok[j] = m < M;
-      xrow[j] = x + static_cast<size_t>(xok[j] ? m : 0) * Cfg::K;
+      xrow[j] = x + static_cast<size_t>(m < M ? m : M - 1) * Cfg::K + T::x_lane_offset();
     }
 
     if (active) {
@@ -94,40 +94,69 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
 
-      // Activations for the first group; later ones are fetched one group ahead of their MMAs.
-      typename T::XFrag xcur[NT8];
+      // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
+      // their MMAs into the other buffer. Otherwise (large row tiles, where two buffers cost
+      // 2 x NT8 x KSUB x 4 registers and occupancy) each group's activations are loaded at the top
+      // of its step and other warps hide the latency. A trip covers U groups, U a multiple of 2
+      // and of STAGES, so the weight ring slot (u % STAGES) and the activation buffer (u & 1) are
+      // compile-time per step and nothing is copied between registers at the back edge.
+      constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
+      constexpr int XBUF = Cfg::X_AHEAD ? 2 : 1;
+      typename T::XFrag xb[XBUF][NT8];
+      if constexpr (Cfg::X_AHEAD) {
 #pragma unroll
-      for (int j = 0; j < NT8; ++j) T::load_x(xp[j], xok[j], 0, xcur[j]);
+        for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, 0, xb[0][j]);
+      }
 
-      for (int g = 0; g < groups; g += Cfg::STAGES) {
+      // Group g + u of the running pointers' trip: decode, refill its ring slot STAGES ahead,
+      // fetch activations (the next group's if X_AHEAD and `more`), MMAs.
+      auto step = [&](const int u, const bool more) {
+        const int s = u % Cfg::STAGES;
+        const int xc = Cfg::X_AHEAD ? (u & 1) : 0;
+        if constexpr (!Cfg::X_AHEAD) {
 #pragma unroll
-        for (int s = 0; s < Cfg::STAGES; ++s) {
-          if (g + s >= groups) break;
-          typename T::Frag frag[Cfg::WARP_NT];
-#pragma unroll
-          for (int i = 0; i < Cfg::WARP_NT; ++i) {
-            T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-            wbuf[s][i] = ld_stream(wp[i] + (s + Cfg::STAGES) * 32);
-            if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (s + Cfg::STAGES) * T::SCALE_WORDS);
-          }
-          const bool more = g + s + 1 < groups;
-          typename T::XFrag xnext[NT8];
-#pragma unroll
-          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], xok[j] && more, (s + 1) * T::KG, xnext[j]);
-#pragma unroll
-          for (int j = 0; j < NT8; ++j)
-#pragma unroll
-            for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xcur[j], acc[i][j]);
-#pragma unroll
-          for (int j = 0; j < NT8; ++j) xcur[j] = xnext[j];
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, u * T::KG, xb[0][j]);
         }
+        typename T::Frag frag[Cfg::WARP_NT];
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
-          wp[i] += Cfg::STAGES * 32;
-          if constexpr (NVFP4) sp[i] += Cfg::STAGES * T::SCALE_WORDS;
+          T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+          wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
+          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+        }
+        if constexpr (Cfg::X_AHEAD) {
+#pragma unroll
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + 1) * T::KG, xb[(u + 1) & 1][j]);
         }
 #pragma unroll
-        for (int j = 0; j < NT8; ++j) xp[j] += Cfg::STAGES * T::KG;
+        for (int j = 0; j < NT8; ++j)
+#pragma unroll
+          for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma(frag[i], xb[xc][j], acc[i][j]);
+      };
+
+      // Full trips with a group after them: no per-group bounds check, every fetch taken.
+      int g = 0;
+      for (; g + U < groups; g += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) step(u, true);
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          wp[i] += U * 32;
+          if constexpr (NVFP4) sp[i] += U * T::SCALE_WORDS;
+        }
+        // Opaque to ptxas: it would otherwise fold the rows into one offset register and pay a
+        // 64-bit add per activation load instead of an immediate offset.
+#pragma unroll
+        for (int j = 0; j < NT8; ++j) {
+          xp[j] += U * T::KG;
+          asm volatile("" : "+l"(xp[j]));
+        }
+      }
+      // The last 1..U groups.
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (g + u >= groups) break;
+        step(u, g + u + 1 < groups);
       }
     }
 
