@@ -143,7 +143,7 @@ def artifacts_for(archs: list[int], native: int, only: str | None) -> dict[str, 
     from .render import load_manifest
 
     entries = {e["name"]: e for e in load_manifest()["kernels"]}
-    return {n: (entries[n], p, kind) for n, (_, p, kind) in out.items()}
+    return {n: (entries[n], p, kind) for n, (_, p, kind) in out.items() if n in entries}  # GEMMs only
 
 
 def group_key(e: dict[str, Any]) -> str:
