@@ -1,8 +1,8 @@
 """`dflashgen overhead`: host cost of one projection call outside CUDA graphs, and its cost inside one.
 
 Method: a projection whose kernel is tiny (GDN in_proj_ba at TP4: N=24, K=5120, a few microseconds)
-is called N times back to back with no synchronisation; when the GPU finishes each launch faster
-than the host issues the next, the wall time per call is the host overhead. Each layer of the call
+is called 200 times back to back and the host's wall time is taken before waiting for the GPU: with
+the launch queue never full, that is the host overhead per call whatever the kernel's own time. Each layer of the call
 stack is measured the same way (raw driver launch, GemmKernel with validation, KernelLibrary
 dispatch, QuantLinear's eager path, and the torch custom op that torch.compile sees). Inside a CUDA
 graph the same calls are captured and replayed; per call that must equal the kernel time (CUDA events).
@@ -19,11 +19,15 @@ from typing import Any
 import torch
 
 
-def host_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 5) -> float:
+def host_us(fn: Callable[[], Any], calls: int = 200, repeats: int = 7) -> float:
+    """Host time per call: ``calls`` back-to-back calls timed without waiting for the GPU. Few
+    enough to stay well inside the driver's launch queue (~1000 entries), so the host never blocks
+    on a full queue and a kernel slower than the host cannot inflate the figure."""
     fn()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(repeats):
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
