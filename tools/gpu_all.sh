@@ -19,13 +19,13 @@ use_table() {  # the table PART=A measured on this (still warm) machine
 }
 case "${PART:-A}" in
 A)
-  OUT=$R/session STEPS="build verify overhead tune bench" bash tools/gpu_session.sh
+  OUT=$R/session STEPS="build verify tune bench" bash tools/gpu_session.sh
   cp "$R/session/nvidia-h200.json" /tmp/dfg/ 2>/dev/null
   mkdir -p "$R/attn"
   echo "== attn-bench"; timeout 240 dflashgen attn-bench --out "$R/attn" 2>&1 | tail -30 ;;
 B)
   use_table
-  OUT=$R/session STEPS="build pytest" bash tools/gpu_session.sh ;;
+  OUT=$R/session STEPS="build pytest overhead" bash tools/gpu_session.sh ;;
 C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
