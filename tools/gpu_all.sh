@@ -25,7 +25,8 @@ A)
   echo "== attn-bench"; timeout 240 dflashgen attn-bench --out "$R/attn" 2>&1 | tail -30 ;;
 B)
   use_table
-  OUT=$R/session STEPS="build pytest overhead" bash tools/gpu_session.sh ;;
+  OUT=$R/session STEPS="build pytest overhead" bash tools/gpu_session.sh
+  echo "== prefill profile"; timeout 120 python3 tools/profile_prefill.py 2>&1 | tee "$R/prefill-profile.txt" | tail -45 ;;
 C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
