@@ -165,14 +165,14 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
         lib = self._library
-        if lib is not None and type(x) is torch.Tensor and x.dim() == 2 and x.is_cuda \
-                and not torch.compiler.is_compiling():
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
+        if lib is not None and type(x2) is torch.Tensor and x2.is_cuda and not torch.compiler.is_compiling():
             # Eager fast path: the same launch the op makes, minus the dispatcher round trip (the
             # largest share of the host cost). torch.compile, export and tensor subclasses (fake
             # tensors) still see the opaque custom op.
-            return lib.gemm(x if x.is_contiguous() else x.contiguous(), self.packed())
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
+            y = lib.gemm(x2, self.packed())
+            return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
         y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
         return y.reshape(*lead, self.out_features)
 

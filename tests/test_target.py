@@ -89,6 +89,25 @@ def test_prefill_matches_token_by_token(ckpt: Path, act_dtype: torch.dtype, tol:
     assert _max_state_diff(s1, 0, s2, 0) < (1e-5 if act_dtype == torch.float32 else 1e-2)
 
 
+def test_prefill_chunking_is_exact(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill longer than a GDN chunk (several chunks, a ragged last one, per-request lengths inside
+    different chunks) equals one whole-prompt chunk."""
+    import dflashgen.runtime.target as target_mod
+
+    m = TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5, act_dtype=torch.float32)
+    toks = _tokens(40, seed=3, batch=2)
+    n_new = torch.tensor([40, 23])
+    outs, states = [], []
+    for chunk in (64, 17):  # 40 <= 64: one chunk; 17: chunks of 17, 17, 6
+        monkeypatch.setattr(target_mod, "_CHUNK", chunk)
+        st = m.new_state(2, MAX_LEN)
+        outs.append(m(toks, st, num_new=n_new))
+        states.append(st)
+    assert float(rel_l2(outs[1][0], outs[0][0])) < 1e-5 and float(rel_l2(outs[1][1, :23], outs[0][1, :23])) < 1e-5
+    for r in (0, 1):
+        assert _max_state_diff(states[0], r, states[1], r) < 1e-5
+
+
 @pytest.mark.parametrize("accepted", range(VERIFY + 1))
 def test_rollback_equals_plain_run(model: TargetModel, accepted: int) -> None:
     # Two requests with different prompt lengths accept `accepted` and VERIFY - accepted positions.
