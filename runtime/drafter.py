@@ -275,10 +275,7 @@ class BlockDrafter(torch.nn.Module):
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
-            q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
-            k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
-            v = self._lin(att.v_proj, y).view(b, s, nkv, d)
+            q, k, v = self._block_qkv(layer, h, pos)
             o = torch.empty(b, s, nh, d, device=x.device)
             for r in range(b):  # per request over its own context: batch composition cannot change its math
                 kc, vc = context[r][li]
@@ -292,6 +289,16 @@ class BlockDrafter(torch.nn.Module):
             mlp = layer.mlp
             h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
         return _rms_norm(h, self.norm.weight.float(), eps)
+
+    def _block_qkv(self, layer: Any, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafter layer's normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block."""
+        cfg, (b, s, _) = self.cfg, h.shape
+        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        att = layer.self_attn
+        y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
+        q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
+        k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
+        return q, k, self._lin(att.v_proj, y).view(b, s, nkv, d)
 
     @torch.no_grad()
     def forward_embeds_static(self, x: Tensor, ctx_len: Tensor, context: KV) -> Tensor:
@@ -309,10 +316,7 @@ class BlockDrafter(torch.nn.Module):
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
-            q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
-            k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
-            v = self._lin(att.v_proj, y).view(b, s, nkv, d)
+            q, k, v = self._block_qkv(layer, h, pos)
             kc, vc = context[li]
             kr = torch.cat((kc.float(), k), 1).permute(0, 2, 3, 1)  # [B, Hkv, D, cap + S]
             vr = torch.cat((vc.float(), v), 1).permute(0, 2, 1, 3)  # [B, Hkv, cap + S, D]

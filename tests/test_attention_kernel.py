@@ -84,6 +84,16 @@ def test_fp8_decoders_are_exact() -> None:
     assert torch.equal(got4[fin], e4[fin])
 
 
+def _sm80_tile(frag: torch.Tensor) -> torch.Tensor:
+    """The 16 x (8 * n) accumulator tile held as m16n8 fragments frag[lane, n, e]."""
+    out = torch.zeros(16, 8 * frag.shape[1])
+    for ln in range(32):
+        for n in range(frag.shape[1]):
+            for e in range(4):
+                out[_sm80_acc(ln, n, e)] = frag[ln, n, e]
+    return out
+
+
 def _sm80_acc(lane: int, n: int, e: int) -> tuple[int, int]:
     return lane // 4 + 8 * (e >> 1), 8 * n + 2 * (lane % 4) + (e & 1)
 
@@ -300,12 +310,7 @@ def test_sm80_fragment_dataflow() -> None:
                            for ln in range(32)])
             _mma16816(a, [x[0:2] for x in b], s[:, 2 * j])
             _mma16816(a, [x[2:4] for x in b], s[:, 2 * j + 1])
-    got = torch.zeros(16, t_)
-    for ln in range(32):
-        for n in range(t_ // 8):
-            for e in range(4):
-                got[_sm80_acc(ln, n, e)] = s[ln, n, e]
-    assert torch.equal(got, q[r0:r0 + 16] @ k.T)
+    assert torch.equal(_sm80_tile(s), q[r0:r0 + 16] @ k.T)
     p_ld = t_ + 8
     p = torch.randint(-3, 4, (16, t_), generator=g).float()
     sp = torch.zeros(16 * p_ld)
@@ -319,12 +324,7 @@ def test_sm80_fragment_dataflow() -> None:
                            for ln in range(32)], trans=True)
             _mma16816(a, [x[0:2] for x in b], o[:, 2 * j])
             _mma16816(a, [x[2:4] for x in b], o[:, 2 * j + 1])
-    got = torch.zeros(16, d)
-    for ln in range(32):
-        for n in range(d // 8):
-            for e in range(4):
-                got[_sm80_acc(ln, n, e)] = o[ln, n, e]
-    assert torch.equal(got, p @ v)
+    assert torch.equal(_sm80_tile(o), p @ v)
 
 
 def test_sm70_fragment_dataflow() -> None:

@@ -9,8 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 R=$(mktemp -d); mkdir -p /tmp/dfg
-export NCCL_NVLS_ENABLE=0 DFLASHGEN_CACHE=${DFLASHGEN_CACHE:-$PWD/.build} PYTHONUNBUFFERED=1
-export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296
+source "$(dirname "$0")/gpu_env.sh"
 pack() { tar czf "$OUT/results-$PART.tgz" -C "$R" . ; }
 trap pack EXIT
 use_table() {  # the table PART=A measured on this (still warm) machine
@@ -30,7 +29,6 @@ B)
 C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-  [ -d "$DFLASHGEN_CACHE/include/cute" ] && export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
   dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
   mkdir -p "$R/decode"
   echo "== decode-bench full size"

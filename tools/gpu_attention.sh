@@ -8,11 +8,7 @@
 # Writes exactly: $OUT/attention.log, $OUT/attn-bench.json, $OUT/attn-bench.md.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export DFLASHGEN_CACHE=${DFLASHGEN_CACHE:-$PWD/.build} PYTHONUNBUFFERED=1
-export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296  # driver JIT cache for PTX
-if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
-  export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
-fi
+source "$(dirname "$0")/gpu_env.sh"
 exec > >(tee -a "$OUT/attention.log") 2>&1
 T0=$SECONDS
 step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $((SECONDS - t)) s)"; }

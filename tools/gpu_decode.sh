@@ -12,11 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 LOG=$OUT/gpu_decode.log; : > "$LOG"
-export DFLASHGEN_CACHE=${DFLASHGEN_CACHE:-$PWD/.build} PYTHONUNBUFFERED=1
-export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296  # driver JIT cache for PTX
-if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
-  export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
-fi
+source "$(dirname "$0")/gpu_env.sh"
 T0=$SECONDS
 log() { echo "$*" | tee -a "$LOG"; }
 step() {  # step TIMEOUT_S CMD...: run with a timeout, log its output tail and elapsed time
