@@ -1,6 +1,7 @@
-"""Launch one generated kernel a few times (for ncu) and print its SASS instruction mix.
+"""Launch one generated kernel a few times (for ncu) and print its SASS instruction mix. (Not named
+profile.py: a script directory on sys.path would shadow the stdlib module torch imports.)
 
-  ncu --clock-control none --section SpeedOfLight ... python3 tools/profile.py NAME_REGEX M
+  ncu --clock-control none --section SpeedOfLight ... python3 tools/ncu_kernel.py NAME_REGEX M
 """
 
 from __future__ import annotations
