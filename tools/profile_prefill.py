@@ -1,6 +1,6 @@
 """Where a prefill's time goes (torch.profiler, CUDA + CPU): a few layers of the Qwen3.8-27B-shaped
-synthetic target, one 1023-token prompt, then one 8-row verify step for comparison.
-    python3 -P tools/profile_prefill.py [--layers 4] [--tokens 1023]"""
+synthetic target, one 1023-token prompt (eager prefill is host-bound when CPU time >> CUDA time).
+    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023]"""
 
 from __future__ import annotations
 
