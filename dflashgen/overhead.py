@@ -61,9 +61,9 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
     y = torch.empty(m, 24, device=dev, dtype=torch.float16)
     mod = QuantLinear(w, "in_proj_ba", library=lib)
     fn, _ = kern._functions()
-    from dflashgen.runtime.kernels import _current_stream
+    from dflashgen.runtime.driver import current_stream
 
-    stream = _current_stream(dev.index or 0)
+    stream = current_stream(dev.index or 0)
     ws = kern._workspace(stream).data_ptr() if kern.split_k > 1 else 0
     grid = (1, kern._grid_y, kern.split_k)
     pack = kern._main_args

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .driver import current_stream
+
 __all__ = [
     "AttentionInputError",
     "attention_entries",
@@ -135,7 +137,7 @@ def _require_cuda(q: torch.Tensor) -> None:
 def _stream(dev: torch.device) -> tuple[int, int]:
     """(device index, torch's current stream handle) for a launch."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    return idx, torch.cuda.current_stream(dev).cuda_stream
+    return idx, current_stream(idx)
 
 
 def _capturing() -> bool:

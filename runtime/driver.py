@@ -78,6 +78,20 @@ class Module:
                 cu().cuModuleUnload(h)
 
 
+def ptr_arg(t: Any) -> ctypes.c_void_p:
+    """A kernel pointer argument: a tensor's device address, or NULL for None."""
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of torch's current stream on device ``index``: torch's own fast accessor where
+    it exists (building a torch.cuda.Stream object costs microseconds on every launch)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(raw(index)) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 @lru_cache(maxsize=1)
 def _raw_launch() -> Any:
     """libcuda's cuLaunchKernel via ctypes, or None (then cuda-python launches). PyDLL keeps the GIL

@@ -16,7 +16,7 @@ import torch
 
 from dflashgen.prepack import Layout, PackedWeight, family
 
-from .driver import ArgPack, Function, Module, ensure_context
+from .driver import ArgPack, Function, Module, current_stream, ensure_context
 
 
 class KernelInputError(ValueError):
@@ -25,10 +25,6 @@ class KernelInputError(ValueError):
 
 def _fail(msg: str) -> None:
     raise KernelInputError(msg)
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
 class GemmKernel:
@@ -152,7 +148,7 @@ class GemmKernel:
         fn, reduce_fn = self._functions()
         if out is None:
             out = x.new_empty((m, self.n_out))
-        stream = _current_stream(self._dev_index)
+        stream = current_stream(self._dev_index)
         ws = 0
         if self.split_k > 1:
             ws = (self._workspace(stream) if m <= 64 else
@@ -172,13 +168,6 @@ class GemmKernel:
                 v[0].value, v[1].value, v[2].value, v[3].value = ws, m, w.col_scale.data_ptr(), out.data_ptr()
                 reduce_fn.launch_pack((-(-(m * self.n_out) // 256), 1, 1), (256, 1, 1), r, stream)
         return out
-
-
-def _current_stream(index: int) -> int:
-    """The raw handle of torch's current stream: torch's own fast accessor where it exists (building
-    a torch.cuda.Stream object costs microseconds on every launch)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return int(raw(index)) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def native_arch(device: torch.device | None = None) -> int:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .driver import current_stream
+from .driver import ptr_arg as _ptr
 from .images import family_entries, load_module
 from .sampling import SamplingParams, Uniforms, VerifyResult
 
@@ -28,10 +30,6 @@ __all__ = ["DESC_BYTES", "CompactSampler", "compact_verify"]
 Tensor = torch.Tensor
 DESC_BYTES = 32  # struct Desc in rejection.cuh: float, float, u64, int, float (+ padding)
 _SAMPLERS: dict[tuple[int, int], CompactSampler] = {}
-
-
-def _ptr(t: Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
 def pick_entry(entries: dict[str, dict[str, Any]], arch: int, vocab: int, drafts: int) -> dict[str, Any]:
@@ -99,7 +97,7 @@ class CompactSampler:
         accepted = torch.empty(b, dtype=torch.long, device=dev)
         tokens = torch.empty(b, d + 1, dtype=torch.long, device=dev)
         dr, ua, us = drafts.contiguous(), u.accept.contiguous(), u.sample.contiguous()
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = current_stream(dev.index if dev.index is not None else torch.cuda.current_device())
         threads = (512, 1, 1)
         describe.launch((d + 1, b, 1), threads, [_ptr(lg), _ptr(dr), _ptr(temp), _ptr(top_k), _ptr(top_p),
                                                   ctypes.c_int(v), ctypes.c_int(d), _ptr(desc)], stream)
