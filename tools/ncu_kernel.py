@@ -28,7 +28,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     n, k = e["n"], e["k"]
     w = random_nvfp4(n, k, (n,), dev, g) if e["format"] == "nvfp4" else random_fp8(n, k, dev, g)
-    packed = prepack(w, Layout(90, e["format"], e["n"], e["k"]))
+    packed = prepack(w, Layout(90, e["format"], e["n"], e["k"], silu=e.get("epilogue") == "silu"))
     kern = GemmKernel(e, path, 64, dev)
     x = torch.randn(m, e["k"], device=dev, dtype=torch.float16)
     for _ in range(3):

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Profiling call (one device command): ncu on the GEMM kernels that miss their targets and on the
+# verify-attention kernel at 16K, then torch.profiler over steady-state decode rounds at B1 and B8.
+#   OUT=... bash tools/gpu_profile.sh     (carry .build; results in $OUT/profile.tgz)
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+R=$(mktemp -d)
+source "$(dirname "$0")/gpu_env.sh"
+trap 'tar czf "$OUT/profile.tgz" -C "$R" .' EXIT
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1
+NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
+     --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis"
+for km in ${KERNELS:-"nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r8_nt2_wn2_st3_xa1_mb1 8" \
+  "nvfp4_store_n5120_k17408_sk1_wk8_kg64_r8_nt2_wn2_st3_xa1_mb1 8" \
+  "fp8_silu_n34816_k5120_sk1_wk2_kg32_r8_nt2_wn2_st3_xa1_mb1 8" \
+  "nvfp4_store_n34816_k5120_sk1_wk2_kg64_r64_nt1_wn2_st3_xa0_mb1 64" \
+  "nvfp4_store_n5120_k6144_sk1_wk8_kg64_r8_nt2_wn2_st3_xa1_mb1 8"}; do
+  set -- $km
+  echo "== ncu $1 M=$2"
+  timeout 90 $NCU -k "regex:$1" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$1" "$2" --sass \
+    > "$R/ncu-$1-m$2.txt" 2>&1; tail -5 "$R/ncu-$1-m$2.txt"
+done
+echo "== ncu attention 16K B4 tp1"
+timeout 150 $NCU -k "regex:dfg_attn" --launch-skip 5 --launch-count 1 \
+  dflashgen attn-bench --contexts 16384 --batches 4 --heads tp1 --out "$R/attn" > "$R/ncu-attn.txt" 2>&1
+tail -5 "$R/ncu-attn.txt"
+echo "== decode profile"
+timeout 300 python3 tools/profile_decode.py --batches 1 8 --trace "$R/trace" 2>&1 | tee "$R/profile-decode.txt" | tail -150
