@@ -44,31 +44,35 @@ def graph_us(fn: Callable[[], Any], calls: int = 200) -> float:
     return graph_time(lambda _: fn(), copies=calls, replays=5, repeats=3).us
 
 
-def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
+def _projection(lib: Any, problem: str, n: int, k: int, segments: tuple[int, ...], m: int) -> dict[str, Any]:
+    """A projection's stack: its M-bucket kernel, packed weight, module, activations, output."""
     from dflashgen.runtime import GemmKernel
-    from dflashgen.runtime.library import KernelLibrary
-    from dflashgen.runtime.linear import QuantLinear, quant_linear
+    from dflashgen.runtime.linear import QuantLinear
     from dflashgen.verify import native_kernels, random_nvfp4
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    lib = KernelLibrary(device=dev, on_mismatch="fallback")
+    dev = lib.device
     images, groups = native_kernels(lib.arch)
-    entry = next(e for e in groups[f"sm{lib.arch}/nvfp4/store/n24/k5120"] if e["tile"]["rows"] == 8)
-    w = random_nvfp4(24, 5120, (12, 12), dev, torch.Generator(device=dev).manual_seed(0))
-    packed = lib.pack(w)
-    kern = GemmKernel(entry, images[entry["name"]][0], max_m=64, device=dev)
-    x = torch.randn(m, 5120, device=dev, dtype=torch.float16)
-    y = torch.empty(m, 24, device=dev, dtype=torch.float16)
-    mod = QuantLinear(w, "in_proj_ba", library=lib)
-    fn, _ = kern._functions()
+    entry = next(e for e in groups[f"sm{lib.arch}/nvfp4/store/{problem}"] if e["tile"]["rows"] == 8)
+    w = random_nvfp4(n, k, segments, dev, torch.Generator(device=dev).manual_seed(0))
+    return {
+        "entry": entry, "packed": lib.pack(w), "mod": QuantLinear(w, problem, library=lib),
+        "kern": GemmKernel(entry, images[entry["name"]][0], max_m=64, device=dev),
+        "x": torch.randn(m, k, device=dev, dtype=torch.float16),
+        "y": torch.empty(m, n, device=dev, dtype=torch.float16),
+    }
+
+
+def _raw_launch(p: dict[str, Any], m: int) -> Callable[[], None]:
+    """The main kernel's launch alone, arguments in place: the floor of any Python path."""
     from dflashgen.runtime.driver import current_stream
 
-    stream = current_stream(dev.index or 0)
+    kern, packed, x, y = p["kern"], p["packed"], p["x"], p["y"]
+    fn, _ = kern._functions()
+    stream = current_stream(kern.device.index or 0)
     ws = kern._workspace(stream).data_ptr() if kern.split_k > 1 else 0
-    grid = (1, kern._grid_y, kern.split_k)
-    pack = kern._main_args
+    grid, pack = (1, kern._grid_y, kern.split_k), kern._main_args
 
-    def raw() -> None:  # the main kernel's launch alone, arguments in place: the floor of any Python path
+    def raw() -> None:
         with pack.lock:
             v = pack.values
             v[0].value, v[1].value, v[2].value = x.data_ptr(), m, packed.weights.data_ptr()
@@ -76,14 +80,36 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             v[5].value, v[6].value = y.data_ptr(), ws
             fn.launch_pack(grid, (kern.threads, 1, 1), pack, stream)
 
-    res = {
-        "raw_launch_us": host_us(raw),
-        "gemm_kernel_us": host_us(lambda: kern(x, packed, y)),
-        "library_dispatch_us": host_us(lambda: lib.gemm(x, packed, y)),
-        "quant_linear_us": host_us(lambda: mod(x)),  # eager: the module's direct path
-        "custom_op_us": host_us(lambda: quant_linear(x, mod.weights, mod.scales, mod.col_scale, mod._handle)),
-        "kernel_in_graph_us": graph_us(lambda: kern(x, packed, y)),
-    }
+    return raw
+
+
+def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
+    """Per projection (in_proj_ba at TP4: split-K, two launches per call; o_proj at TP4: one launch):
+    host us per call at each layer of the stack, the driver's bare launch, and ``*_above_driver_us``:
+    QuantLinear's host cost minus the driver launches it must make (what dflashgen's Python adds)."""
+    from dflashgen.runtime.library import KernelLibrary
+    from dflashgen.runtime.linear import quant_linear
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lib = KernelLibrary(device=dev, on_mismatch="fallback")
+    res: dict[str, float] = {}
+    for label, problem, n, k, segs in (("in_proj_ba", "n24/k5120", 24, 5120, (12, 12)),
+                                       ("o_proj", "n5120/k1536", 5120, 1536, (5120,))):
+        p = _projection(lib, problem, n, k, segs, m)
+        kern, packed, mod, x, y = p["kern"], p["packed"], p["mod"], p["x"], p["y"]
+        launches = 2 if kern.split_k > 1 else 1
+        r = {
+            "raw_launch_us": host_us(_raw_launch(p, m)),
+            "gemm_kernel_us": host_us(lambda kern=kern, x=x, packed=packed, y=y: kern(x, packed, y)),
+            "library_dispatch_us": host_us(lambda x=x, packed=packed, y=y: lib.gemm(x, packed, y)),
+            "quant_linear_us": host_us(lambda mod=mod, x=x: mod(x)),  # eager: the module's direct path
+            "custom_op_us": host_us(lambda mod=mod, x=x: quant_linear(x, mod.weights, mod.scales, mod.col_scale,
+                                                                      mod._handle)),
+            "kernel_in_graph_us": graph_us(lambda kern=kern, x=x, packed=packed, y=y: kern(x, packed, y)),
+            "launches_per_call": float(launches),
+        }
+        r["quant_linear_above_driver_us"] = r["quant_linear_us"] - launches * r["raw_launch_us"]
+        res.update({(k_ if label == "in_proj_ba" else f"{label}_{k_}"): v for k_, v in r.items()})
     if out:
         out.write_text(json.dumps(res, indent=1))
     return res
