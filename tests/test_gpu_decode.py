@@ -83,6 +83,39 @@ def test_compact_candidate_path_equals_dense(arch: str | int, b: int, d: int, to
             assert torch.equal(got.tokens, ref.tokens), (with_q, temp, got.tokens.tolist(), ref.tokens.tolist())
 
 
+@pytest.mark.parametrize("vocab, d", [(VOCAB, 7), (VOCAB, 5), (1000, 7)])
+@pytest.mark.parametrize("k", [2, 20, "cap"])
+def test_compact_candidate_cut_adversarial(vocab: int, d: int, k: int | str) -> None:
+    """The row's top-k inside one chunk, followed there by equal-logit tokens at higher ids (keys that
+    differ from the k-th only in the id digits) and near misses; drafts are exactly the tokens around
+    the kept set's edge, so a cut that is not the exact k-th key shows in the accept decisions."""
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import SamplingParams, Uniforms, verify
+
+    from dflashgen.rejection import CAP, CHUNK
+
+    k = CAP if k == "cap" else int(k)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(k + vocab)
+    b = 4
+    logits = torch.randn(b, d + 1, vocab, device=dev, generator=g) - 8.0
+    base = CHUNK + 5 if vocab > 2 * CHUNK else 0
+    top = torch.arange(k + 4, device=dev) + base
+    vals = torch.linspace(4.0, 3.0, k).tolist() + [3.0, 3.0, 2.9990234375, 3.0]  # the k-th value repeated
+    logits[..., top] = torch.tensor(vals, device=dev)
+    drafts = top[torch.randint(max(k - 2, 0), k + 4, (b, d), device=dev, generator=g)]
+    params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=1.0, top_k=k, top_p=0.9),
+              SamplingParams(temperature=0.6, top_k=k, top_p=0.5), SamplingParams(temperature=0.0)]
+    for trial in range(4):
+        cpu = torch.Generator().manual_seed(trial)
+        scale = 0.05 if trial < 2 else 1.0  # small uniforms: a wrongly kept draft would be accepted
+        u = Uniforms((torch.rand(b, d, generator=cpu) * scale).to(dev), torch.rand(b, d + 1, generator=cpu).to(dev))
+        ref = verify(drafts, logits, params, u)
+        got = compact_verify(drafts, logits, params, u)
+        assert torch.equal(got.accepted, ref.accepted), (trial, got.accepted.tolist(), ref.accepted.tolist())
+        assert torch.equal(got.tokens, ref.tokens), (trial, got.tokens.tolist(), ref.tokens.tolist())
+
+
 def test_compact_accept_override_and_generic_vocab() -> None:
     from dflashgen.runtime.rejection import compact_verify
     from dflashgen.runtime.sampling import SamplingParams, Uniforms, verify

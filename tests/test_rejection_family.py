@@ -265,6 +265,7 @@ def _mirror_candidates(drafts, logits, params, u, q=None, override=None, vocab_s
             if not greedy:
                 cut = _select_rank(cand, kk - 1, digits) if kk < v else 1
                 kept = cand[cand >= cut].sort(descending=True).values
+                cut = int(kept[-1])  # the exact k-th key (tokens outside the candidates may pass the prefix)
                 ids = v - 1 - ((kept >> pad) & ((1 << id_bits) - 1))
                 w = (torch.exp(x[ids] - vmax) * 4294967296.0).floor().long()
                 incl = w.cumsum(0)
@@ -357,3 +358,33 @@ def test_candidate_algorithm_equals_dense_reference(vocab: int, spec: int | None
         assert n_cand == 6  # all but top_k = CAP + 1 and top_k = 0
         assert acc.tolist() == ref.accepted.tolist()
         assert tok.tolist() == ref.tokens.tolist()
+
+
+def _adversarial(vocab: int, k: int, chunk: int, d: int, b: int, g: torch.Generator):
+    """Logits whose top-k sits in one chunk, followed there by equal-logit tokens at higher ids (keys
+    that differ from the k-th only in the id digits) and near misses; drafts are exactly the tokens
+    just outside the kept set, the k-th and the top-p boundary."""
+    logits = torch.randn(b, d + 1, vocab, generator=g) - 8.0
+    base = chunk + 5 if vocab > 2 * chunk else 0
+    top = torch.arange(k + 4) + base
+    vals = torch.linspace(4.0, 3.0, k).tolist() + [3.0, 3.0, 2.9990234375, 3.0]  # k-th value repeated
+    logits[..., top] = torch.tensor(vals)
+    drafts = top[torch.randint(k - 2, k + 4, (b, d), generator=g)]
+    return logits, drafts
+
+
+@pytest.mark.parametrize("k, chunk", [(3, 64), (20, 700), (rejection.CAP, rejection.CHUNK)])
+def test_candidate_cut_is_exact_for_tokens_outside_the_candidates(k: int, chunk: int) -> None:
+    """A token outside the candidates whose key lies between describe's early-exit radix prefix and
+    the k-th key must not count as kept (w_draft compares every token with the cut)."""
+    g = torch.Generator().manual_seed(k)
+    vocab, b, d = max(3 * chunk, 1000), 3, 7
+    logits, drafts = _adversarial(vocab, k, chunk, d, b, g)
+    params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=1.0, top_k=k, top_p=0.9),
+              SamplingParams(temperature=0.6, top_k=k, top_p=0.5)]
+    for trial in range(4):
+        u = Uniforms(torch.rand(b, d, generator=g) * (0.05 if trial < 2 else 1.0), torch.rand(b, d + 1, generator=g))
+        ref = verify(drafts, logits, params, u)
+        acc, tok, n_cand = _mirror_candidates(drafts, logits, params, u, None, None, vocab, chunk)
+        assert n_cand == b
+        assert acc.tolist() == ref.accepted.tolist() and tok.tolist() == ref.tokens.tolist()

@@ -413,10 +413,12 @@ __device__ __forceinline__ void describe_candidates(const u64* __restrict__ cb, 
   if (threadIdx.x < 32) {
     u64 total;
     warp_first_prefix(ws, m, Exceeds{~0ull}, total);
-    u64 zz = total, cc = cut;
+    // The exact k-th key, not select_candidates' early-exit prefix: a token outside the candidates
+    // can lie between the two, and w_draft compares every token with cut.
+    u64 zz = total, cc = keys[m - 1];
     if (p < 1.0f) {  // the last kept key: the first whose inclusive weight reaches p * (top-k weight)
       const int i = warp_first_prefix(ws, m, Reaches{(double)p * (double)total}, zz);
-      if (i < m) cc = keys[i]; else zz = total;
+      if (i < m) cc = keys[i];
     }
     if (threadIdx.x == 0) { out[0] = cc; out[1] = zz; }
   }
