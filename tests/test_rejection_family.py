@@ -217,13 +217,28 @@ def _select_rank(keys: torch.Tensor, rank: int, digits: int) -> int:
     return prefix
 
 
+def _low_bound(kc: torch.Tensor, k: int, threads: int = 256) -> int:
+    """prefilter's bound for k <= 32: thread t holds ids t, t + threads, ...; per warp the k-th largest
+    of the lanes' maxima (0 when the warp has too few non-empty lanes); the largest over the warps."""
+    if k > 32:
+        return 1
+    pad = torch.zeros(-(-kc.numel() // threads) * threads, dtype=kc.dtype)
+    pad[:kc.numel()] = kc
+    lanes = pad.view(-1, threads).amax(0).view(threads // 32, 32).sort(-1, descending=True).values
+    return max(1, int(lanes[:, k - 1].max()))
+
+
 def _candidates(keys: torch.Tensor, k: int, chunk: int, digits: int) -> torch.Tensor:
     """prefilter: every chunk's k largest keys (all of a chunk with at most k tokens)."""
     out = []
     for c0 in range(0, keys.numel(), chunk):
         kc = keys[c0:c0 + chunk]
-        cut = _select_rank(kc, k - 1, digits) if kc.numel() > k else 1
-        got = kc[kc >= cut]
+        cut = low = 1
+        if kc.numel() > k:
+            low = _low_bound(kc, k)
+            assert int((kc >= low).sum()) >= k  # the bound never loses a top-k key
+            cut = _select_rank(kc[kc >= low], k - 1, digits)
+        got = kc[(kc >= cut) & (kc >= low)]
         assert got.numel() == min(k, kc.numel())
         out.append(got)
     return torch.cat(out)

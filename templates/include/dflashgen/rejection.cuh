@@ -16,8 +16,8 @@
 // Candidate path (rows with 0 < top_k <= CAP, and greedy rows as top_k = 1; K = that top_k), three
 // kernels, no sorting of the vocabulary:
 //   prefilter (grid chunks x (D+1) x B, CHUNK tokens per CTA): each chunk's K largest keys (radix
-//     select of the chunk's K-th key, early exit once a bin holds exactly the rest) into K slots of
-//     cand (0 = empty). A key in the row's top-K has fewer than K larger keys in its chunk, so the
+//     select of the chunk's K-th key, early exit once a bin holds exactly the rest; for K <= 32 only
+//     over the keys above a bound from the warps' lane maxima) into K slots of cand (0 = empty). A key in the row's top-K has fewer than K larger keys in its chunk, so the
 //     union of the chunks' top-K holds the row's top-K, hence the kept set.
 //   describe (grid D+1 x B): over the K x chunks candidates only: max, radix select of the k-th key,
 //     the (<= CAP) top-k keys sorted descending by rank counting, top-p by one warp prefix scan.
@@ -289,6 +289,7 @@ __device__ __forceinline__ void prefilter(const float* __restrict__ logits, cons
   __shared__ unsigned int hist[BINS];
   __shared__ unsigned int state[3];
   __shared__ unsigned int count;
+  __shared__ u64 bound[PF_THREADS / 32];
   const int c = blockIdx.x, pos = blockIdx.y, b = blockIdx.z, chunks = gridDim.x;
   const float t = temperature[b];
   const int K = cand_k(t, top_k[b]);
@@ -304,8 +305,26 @@ __device__ __forceinline__ void prefilter(const float* __restrict__ logits, cons
     const int id = base + i * PF_THREADS + threadIdx.x;
     keys[i] = id < vocab ? make_key<ID_BITS, PAD>(scaled(row, id, div), id, vocab) : 0ull;
   }
-  u64 cut = 1;  // every real key (keys are never 0)
+  u64 cut = 1, low = 1;  // every real key (keys are never 0)
   if (vocab - base > K) {
+    if (K <= 32) {
+      // A lower bound for the chunk's K-th key: in each warp the K-th largest of the lanes' maxima
+      // (K distinct keys are >= it), the largest over the warps. The keys below it (nearly all) cannot
+      // be in the chunk's top K and skip the radix passes' atomics.
+      const int lane = threadIdx.x & 31;
+      u64 mx = 0;
+#pragma unroll
+      for (int i = 0; i < PF_PER; ++i) mx = max(mx, keys[i]);
+      int r = 0;  // descending rank among the warp's maxima (ties only between empty lanes' zeros)
+#pragma unroll 1
+      for (int l = 0; l < 32; ++l) r += __shfl_sync(FULL, mx, l) > mx;
+      const unsigned who = __ballot_sync(FULL, r == K - 1);
+      const u64 wb = who != 0u ? __shfl_sync(FULL, mx, __ffs(who) - 1) : 0ull;
+      if (lane == 0) bound[threadIdx.x >> 5] = wb;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < PF_THREADS / 32; ++w) low = max(low, bound[w]);
+    }
     const unsigned int rank = (unsigned int)(K - 1);
     u64 prefix = 0, mask = 0;
     unsigned int above = 0;
@@ -317,7 +336,7 @@ __device__ __forceinline__ void prefilter(const float* __restrict__ logits, cons
 #pragma unroll
       for (int i = 0; i < PF_PER; ++i) {
         const u64 key = keys[i];
-        hist_count(hist, key != 0ull && (key & mask) == prefix, (int)((key >> shift) & (BINS - 1)));
+        hist_count(hist, key >= low && (key & mask) == prefix, (int)((key >> shift) & (BINS - 1)));
       }
       __syncthreads();
       if (threadIdx.x < 32) find_rank_bin(hist, above, rank, state);
@@ -333,7 +352,7 @@ __device__ __forceinline__ void prefilter(const float* __restrict__ logits, cons
 #pragma unroll
   for (int i = 0; i < PF_PER; ++i) {
     const u64 key = keys[i];
-    if (key >= cut) out[(long long)atomicAdd(&count, 1u) * chunks] = key;  // exactly min(K, n)
+    if (key >= cut && key >= low) out[(long long)atomicAdd(&count, 1u) * chunks] = key;  // exactly min(K, n)
   }
   __syncthreads();
   for (int j = (int)count + threadIdx.x; j < K; j += PF_THREADS) out[(long long)j * chunks] = 0;
