@@ -20,7 +20,9 @@
 //     over the keys above a bound from the warps' lane maxima) into K slots of cand (0 = empty). A key in the row's top-K has fewer than K larger keys in its chunk, so the
 //     union of the chunks' top-K holds the row's top-K, hence the kept set.
 //   describe (grid D+1 x B): over the K x chunks candidates only: max, radix select of the k-th key,
-//     the (<= CAP) top-k keys sorted descending by rank counting, top-p by one warp prefix scan.
+//     the (<= CAP) top-k keys sorted descending by rank counting, top-p by one warp prefix scan. The
+//     cut it stores is always an exact key (the k-th or the last top-p key, never a radix prefix), so
+//     comparing any token with it (the draft's weight) is the reference's kept test.
 //   decide (grid B): accepted length, then the kept keys of the emitting position (<= CAP) sorted by
 //     id ascending, their residual weights and one warp inverse-CDF scan.
 // Full path (top_k = 0 or > CAP; chosen per row on the device from top_k / temperature, the prefilter
