@@ -84,7 +84,11 @@ __device__ __forceinline__ float key_value(u64 key) {
 }
 
 // The reference's float32 ops: x = logit / t (t = 1 for greedy rows), w = floor(expf(x - max) * 2^32).
-__device__ __forceinline__ float scaled(const float* row, int id, float div) { return row[id] / div; }
+// x / 1 is exactly x in IEEE division (nvcc / NVRTC default -prec-div=true): temperature 1 and greedy
+// rows skip the division's slow path with identical results.
+__device__ __forceinline__ float scaled(const float* row, int id, float div) {
+  return div == 1.0f ? row[id] : row[id] / div;
+}
 __device__ __forceinline__ u64 weight(float v, float vmax) { return (u64)(expf(v - vmax) * 4294967296.0f); }
 
 template <typename T, typename Op>
