@@ -17,8 +17,9 @@
 // kernels, no sorting of the vocabulary:
 //   prefilter (grid chunks x (D+1) x B, CHUNK tokens per CTA): each chunk's K largest keys (radix
 //     select of the chunk's K-th key, early exit once a bin holds exactly the rest; for K <= 32 only
-//     over the keys above a bound from the warps' lane maxima) into K slots of cand (0 = empty). A key in the row's top-K has fewer than K larger keys in its chunk, so the
-//     union of the chunks' top-K holds the row's top-K, hence the kept set.
+//     over the keys above a bound from the warps' lane maxima) into K slots of cand (0 = empty).
+//     A key in the row's top-K has fewer than K larger keys in its chunk, so the union of the
+//     chunks' top-K holds the row's top-K, hence the kept set.
 //   describe (grid D+1 x B): over the K x chunks candidates only: max, radix select of the k-th key,
 //     the (<= CAP) top-k keys sorted descending by rank counting, top-p by one warp prefix scan. The
 //     cut it stores is always an exact key (the k-th or the last top-p key, never a radix prefix), so
@@ -628,7 +629,8 @@ __device__ __forceinline__ void decide(const float* __restrict__ logits, const l
       for (int pass = 0; pass < 2; ++pass) {
         part = 0;
 #pragma unroll 1  // unrolled, ptxas spills (sm_70..sm_90)
-        for (int id = lo; id < hi; ++id) part += residual_weight<ID_BITS, PAD>(row, id, vocab, div, cut, vmax, zn, residual, q, excluded);
+        for (int id = lo; id < hi; ++id)
+          part += residual_weight<ID_BITS, PAD>(row, id, vocab, div, cut, vmax, zn, residual, q, excluded);
         total = block_reduce(part, SumU64(), 0ull, red);
         if (!residual || total > 0) break;
         residual = false;
