@@ -1,8 +1,10 @@
 """The compact rejection-sampling kernel (generated family ``rejection``) behind the dense API.
 
 :func:`compact_verify` takes exactly :func:`~dflashgen.runtime.sampling.verify`'s arguments and
-returns a :class:`~dflashgen.runtime.sampling.VerifyResult` from two launches on torch's current
-stream (``describe``: grid ``(D + 1, B)``; ``decide``: grid ``B``), consuming the same uniforms, so
+returns a :class:`~dflashgen.runtime.sampling.VerifyResult` from up to three launches on torch's
+current stream (``prefilter``: grid ``(chunks, D + 1, B)``, only when a row takes the candidate path:
+greedy or ``0 < top_k <= CAP``, known on the host from ``params``; ``describe``: grid ``(D + 1, B)``;
+``decide``: grid ``B``), consuming the same uniforms, so
 both paths give the same accepted lengths and tokens (up to a uniform landing within float32
 rounding of a probability or CDF boundary). No host sync: CUDA-graph capturable.
 
@@ -57,14 +59,15 @@ class CompactSampler:
         major, minor = torch.cuda.get_device_capability(idx)
         self.arch = arch if arch is not None else 10 * major + minor
         self.entries = {n: e for n, e in family_entries("rejection").items() if e["arch"] == self.arch}
-        self._fns: dict[str, tuple[Any, Any]] = {}
+        self._fns: dict[str, tuple[Any, Any, Any]] = {}
 
-    def functions(self, vocab: int, drafts: int) -> tuple[Any, Any, str]:
+    def functions(self, vocab: int, drafts: int) -> tuple[Any, Any, Any, str]:
+        """(prefilter, describe, decide, name) of the kernel serving (vocab, drafts)."""
         entry = pick_entry(self.entries, self.arch, vocab, drafts)
         name = entry["name"]
         if name not in self._fns:
             mod = load_module(entry, self.device_index)
-            self._fns[name] = (mod.function(name), mod.function(name + "_decide"))
+            self._fns[name] = (mod.function(name + "_prefilter"), mod.function(name), mod.function(name + "_decide"))
         return (*self._fns[name], name)
 
     def __call__(self, drafts: Tensor, logits: Tensor, params: Sequence[SamplingParams], u: Uniforms,
@@ -85,26 +88,50 @@ class CompactSampler:
             raise ValueError(f"draft_probs must be [B, D, V] = {[b, d, v]} on {dev}")
         if accept_override is not None and (tuple(accept_override.shape) != (b, d) or accept_override.device != dev):
             raise ValueError(f"accept_override must be [B, D] = {[b, d]} on {dev}")
-        describe, decide, _ = self.functions(v, d)
+        from dflashgen.rejection import uses_candidates
+
         lg = logits.float().contiguous()
         q = draft_probs.float().contiguous() if draft_probs is not None else None
         ov = accept_override.to(torch.uint8).contiguous() if accept_override is not None else None
         host = torch.tensor([[sp.temperature, sp.top_p] for sp in params], dtype=torch.float32)
         temp, top_p = host.to(dev, non_blocking=True).unbind(1)
-        temp, top_p = temp.contiguous(), top_p.contiguous()
         top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.int32).to(dev, non_blocking=True)
+        candidates = any(uses_candidates(sp.temperature, sp.top_k) for sp in params)
+        accepted, tokens = self.launch(drafts.contiguous(), lg, q, temp.contiguous(), top_k, top_p.contiguous(),
+                                       u.accept.contiguous(), u.sample.contiguous(), ov, candidates)
+        return VerifyResult(accepted=accepted, tokens=tokens, emitted=accepted + 1)
+
+    def launch(self, drafts: Tensor, logits: Tensor, draft_probs: Tensor | None, temperature: Tensor,
+               top_k: Tensor, top_p: Tensor, u_accept: Tensor, u_sample: Tensor, override: Tensor | None,
+               candidates: bool) -> tuple[Tensor, Tensor]:
+        """The launches alone on contiguous device tensors (float32 logits / q / temperature / top_p,
+        int32 top_k, uint8 override), unchecked, CUDA-graph capturable: (accepted [B], tokens [B, D+1]).
+        ``candidates``: some row takes the candidate path (``uses_candidates``); the prefilter runs only
+        then, and its CTAs of the other rows return at once."""
+        from dflashgen.rejection import CAP, num_chunks
+
+        b, d = drafts.shape
+        v = logits.shape[-1]
+        dev = logits.device
+        prefilter, describe, decide, _ = self.functions(v, d)
         desc = torch.empty(b * (d + 1) * DESC_BYTES, dtype=torch.uint8, device=dev)
         accepted = torch.empty(b, dtype=torch.long, device=dev)
         tokens = torch.empty(b, d + 1, dtype=torch.long, device=dev)
-        dr, ua, us = drafts.contiguous(), u.accept.contiguous(), u.sample.contiguous()
         stream = current_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+        lg, dr, temp, tk, tp = _ptr(logits), _ptr(drafts), _ptr(temperature), _ptr(top_k), _ptr(top_p)
+        cand = None  # [B, D+1, CAP, chunks] keys; only candidate-path rows are written and read
+        if candidates:
+            chunks = num_chunks(v)
+            cand = torch.empty(b * (d + 1) * CAP * chunks, dtype=torch.int64, device=dev)
+            prefilter.launch((chunks, d + 1, b), (256, 1, 1), [lg, temp, tk, ctypes.c_int(v), ctypes.c_int(d),
+                                                                _ptr(cand)], stream)
         threads = (512, 1, 1)
-        describe.launch((d + 1, b, 1), threads, [_ptr(lg), _ptr(dr), _ptr(temp), _ptr(top_k), _ptr(top_p),
-                                                  ctypes.c_int(v), ctypes.c_int(d), _ptr(desc)], stream)
-        decide.launch((b, 1, 1), threads, [_ptr(lg), _ptr(dr), _ptr(q), _ptr(temp), _ptr(ua), _ptr(us), _ptr(ov),
-                                           ctypes.c_int(v), ctypes.c_int(d), _ptr(desc), _ptr(accepted),
-                                           _ptr(tokens)], stream)
-        return VerifyResult(accepted=accepted, tokens=tokens, emitted=accepted + 1)
+        describe.launch((d + 1, b, 1), threads, [lg, dr, temp, tk, tp, ctypes.c_int(v), ctypes.c_int(d), _ptr(cand),
+                                                  _ptr(desc)], stream)
+        decide.launch((b, 1, 1), threads, [lg, dr, _ptr(draft_probs), temp, tk, _ptr(u_accept), _ptr(u_sample),
+                                           _ptr(override), ctypes.c_int(v), ctypes.c_int(d), _ptr(cand), _ptr(desc),
+                                           _ptr(accepted), _ptr(tokens)], stream)
+        return accepted, tokens
 
 
 def compact_verify(drafts: Tensor, logits: Tensor, params: Sequence[SamplingParams], u: Uniforms,

@@ -15,15 +15,16 @@ pytestmark = pytest.mark.gpu
 VOCAB = 248320  # Qwen3.8: the specialised rejection kernels
 
 
-def _case(b: int, d: int, temp: float, top_p: float, seed: int, with_q: bool):
+def _case(b: int, d: int, temp: float, top_p: float, seed: int, with_q: bool, top_ks: tuple[int, ...] = (0, 0, 20),
+          greedy_row: bool = True):
     from dflashgen.runtime.sampling import SamplingParams, Uniforms, target_probs
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     # fp16-rounded logits: ties between ids, as the real lm_head output has them
     logits = (torch.randn(b, d + 1, VOCAB, device=dev, generator=g) * 3).half().float()
-    params = [SamplingParams(temperature=temp, top_p=top_p, top_k=20 if r % 3 == 2 else 0) for r in range(b)]
-    if b > 1:
+    params = [SamplingParams(temperature=temp, top_p=top_p, top_k=top_ks[r % len(top_ks)]) for r in range(b)]
+    if b > 1 and greedy_row:
         params[1] = SamplingParams(temperature=0.0)  # a greedy row in the batch
     p = target_probs(logits, params)
     # drafts: mostly sampled from the target itself (so runs of acceptances happen), some argmax
@@ -55,22 +56,91 @@ def test_compact_equals_dense(arch: str | int, b: int, d: int, top_p: float, tem
         assert torch.equal(got.tokens, ref.tokens), (with_q, got.tokens.tolist(), ref.tokens.tolist())
 
 
+@pytest.mark.parametrize("arch", ["native", 70])
+@pytest.mark.parametrize("b", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [3, 7])
+@pytest.mark.parametrize("top_k", [1, 20, "cap", "cap+1", 0])
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_compact_candidate_path_equals_dense(arch: str | int, b: int, d: int, top_k: int | str,
+                                             top_p: float) -> None:
+    """top_k around the candidate path's CAP (CAP: candidates; CAP + 1, 0: the full vocabulary), every
+    row on it (the benchmark's case, greedy_row off) and mixed with a greedy and a full-path row,
+    temperatures 1.0 / 0.6, with and without draft probabilities."""
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import verify
+
+    from dflashgen.rejection import CAP
+
+    k = {"cap": CAP, "cap+1": CAP + 1}[top_k] if isinstance(top_k, str) else top_k
+    for with_q in (False, True):
+        for temp, top_ks, greedy_row in ((1.0, (k,), False), (0.6, (k, k, CAP + 1), True)):
+            seed = 7000 + 1000 * b + 10 * d + int(100 * top_p) + k
+            drafts, logits, params, u, q = _case(b, d, temp, top_p, seed, with_q, top_ks, greedy_row)
+            ref = verify(drafts, logits, params, u, q)
+            got = compact_verify(drafts, logits, params, u, q, arch=None if arch == "native" else int(arch))
+            torch.cuda.synchronize()
+            assert torch.equal(got.accepted, ref.accepted), (with_q, temp, got.accepted.tolist(), ref.accepted.tolist())
+            assert torch.equal(got.tokens, ref.tokens), (with_q, temp, got.tokens.tolist(), ref.tokens.tolist())
+
+
+@pytest.mark.parametrize("vocab, d", [(VOCAB, 7), (VOCAB, 5), (1000, 7)])
+@pytest.mark.parametrize("k", [2, 20, "cap"])
+def test_compact_candidate_cut_adversarial(vocab: int, d: int, k: int | str) -> None:
+    """The row's top-k inside one chunk, followed there by equal-logit tokens at higher ids (keys that
+    differ from the k-th only in the id digits) and near misses; drafts are exactly the tokens around
+    the kept set's edge, so a cut that is not the exact k-th key shows in the accept decisions."""
+    from dflashgen.runtime.rejection import compact_verify
+    from dflashgen.runtime.sampling import SamplingParams, Uniforms, verify
+
+    from dflashgen.rejection import CAP, CHUNK
+
+    k = CAP if k == "cap" else int(k)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(k + vocab)
+    b = 4
+    logits = torch.randn(b, d + 1, vocab, device=dev, generator=g) - 8.0
+    base = CHUNK + 5 if vocab > 2 * CHUNK else 0
+    top = torch.arange(k + 4, device=dev) + base
+    vals = torch.linspace(4.0, 3.0, k).tolist() + [3.0, 3.0, 2.9990234375, 3.0]  # the k-th value repeated
+    logits[..., top] = torch.tensor(vals, device=dev)
+    drafts = top[torch.randint(max(k - 2, 0), k + 4, (b, d), device=dev, generator=g)]
+    params = [SamplingParams(temperature=1.0, top_k=k), SamplingParams(temperature=1.0, top_k=k, top_p=0.9),
+              SamplingParams(temperature=0.6, top_k=k, top_p=0.5), SamplingParams(temperature=0.0)]
+    for trial in range(4):
+        cpu = torch.Generator().manual_seed(trial)
+        scale = 0.05 if trial < 2 else 1.0  # small uniforms: a wrongly kept draft would be accepted
+        u = Uniforms((torch.rand(b, d, generator=cpu) * scale).to(dev), torch.rand(b, d + 1, generator=cpu).to(dev))
+        ref = verify(drafts, logits, params, u)
+        got = compact_verify(drafts, logits, params, u)
+        assert torch.equal(got.accepted, ref.accepted), (trial, got.accepted.tolist(), ref.accepted.tolist())
+        assert torch.equal(got.tokens, ref.tokens), (trial, got.tokens.tolist(), ref.tokens.tolist())
+
+
 def test_compact_accept_override_and_generic_vocab() -> None:
     from dflashgen.runtime.rejection import compact_verify
     from dflashgen.runtime.sampling import SamplingParams, Uniforms, verify
 
+    from dflashgen.rejection import CAP
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(5)
-    for vocab in (97, 1000, VOCAB):  # the generic kernel below Qwen's vocab
-        b, d = 4, 7
-        logits = torch.randn(b, d + 1, vocab, device=dev, generator=g).half().float()
-        drafts = torch.randint(0, vocab, (b, d), device=dev, generator=g)
-        params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20)] * b
-        u = Uniforms.draw(b, d, torch.Generator().manual_seed(vocab), dev)
-        forced = torch.rand(b, d, device=dev, generator=g) < 0.8
-        ref = verify(drafts, logits, params, u, accept_override=forced)
-        got = compact_verify(drafts, logits, params, u, accept_override=forced)
-        assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.tokens, ref.tokens)
+    # the generic kernel below Qwen's vocab and at it (d = 5), the specialised one (d = 7)
+    for vocab, d in ((97, 7), (1000, 7), (VOCAB, 5), (VOCAB, 7)):
+        for top_k in (20, CAP, CAP + 1, 0):  # CAP >= 97: top-k off on the candidate path
+            for with_q in (False, True):
+                b = 4
+                logits = torch.randn(b, d + 1, vocab, device=dev, generator=g).half().float()
+                drafts = torch.randint(0, vocab, (b, d), device=dev, generator=g)
+                params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=top_k)] * b
+                u = Uniforms.draw(b, d, torch.Generator().manual_seed(vocab), dev)
+                q = torch.softmax(logits[:, :d] + torch.randn(b, d, vocab, device=dev, generator=g), -1) \
+                    if with_q else None
+                forced = torch.rand(b, d, device=dev, generator=g) < 0.8
+                for ov in (forced, None):
+                    ref = verify(drafts, logits, params, u, q, accept_override=ov)
+                    got = compact_verify(drafts, logits, params, u, q, accept_override=ov)
+                    assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.tokens, ref.tokens), \
+                        (vocab, d, top_k, with_q, ov is None)
 
 
 # --------------------------------------------------------------------------- decode loop on the GPU
@@ -193,3 +263,65 @@ def test_sampler_timing_report() -> None:
                 ms.append(a.elapsed_time(z))
             times[name] = sorted(ms)[len(ms) // 2]
         print(f"rejection sampling B{b} q7 V={VOCAB}: compact {times['compact']:.3f} ms, dense {times['dense']:.3f} ms")
+
+
+def _graph_ms(fn) -> float:
+    """Median of 20 CUDA-graph replays of ``fn`` (CUDA events), captured after an eager warm-up."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # module loads and allocations outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(20):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        z.record()
+        torch.cuda.synchronize()
+        ms.append(a.elapsed_time(z))
+    return sorted(ms)[len(ms) // 2]
+
+
+def test_compact_graph_timing_report() -> None:
+    """Not a gate (the target is < 0.1 ms): the compact kernels alone, replayed from a CUDA graph, at
+    the benchmark's sampling (temperature 1, top_k 20, top_p 0.95: the candidate path) and with
+    top_k 0 (the full-vocabulary path), q7, V = 248320; the prefilter alone too. Printed."""
+    import ctypes
+
+    from dflashgen.runtime.driver import current_stream, ptr_arg
+    from dflashgen.runtime.rejection import CompactSampler
+
+    from dflashgen.rejection import CAP, num_chunks, uses_candidates
+
+    sampler = CompactSampler(torch.device("cuda"))
+    prefilter = sampler.functions(VOCAB, 7)[0]
+    chunks = num_chunks(VOCAB)
+    for b in (1, 2, 4, 8):
+        for top_k in (20, 0):
+            drafts, logits, params, u, _ = _case(b, 7, 1.0, 0.95, seed=b, with_q=False, top_ks=(top_k,),
+                                                 greedy_row=False)
+            dev = logits.device
+            temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=dev)
+            top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=dev)
+            tk = torch.tensor([sp.top_k for sp in params], dtype=torch.int32, device=dev)
+            cand = any(uses_candidates(sp.temperature, sp.top_k) for sp in params)
+            args = (drafts, logits, None, temp, tk, top_p, u.accept, u.sample, None, cand)
+            buf = torch.empty(b * 8 * CAP * chunks, dtype=torch.int64, device=dev)
+            pf_args = [ptr_arg(logits), ptr_arg(temp), ptr_arg(tk), ctypes.c_int(VOCAB), ctypes.c_int(7), ptr_arg(buf)]
+            ms_all = _graph_ms(lambda args=args: sampler.launch(*args))
+            line = f"compact rejection graph B{b} q7 V={VOCAB} top_k={top_k}: {ms_all:.4f} ms"
+            if cand:
+                ms_pf = _graph_ms(lambda a=pf_args, grid=(chunks, 8, b): prefilter.launch(
+                    grid, (256, 1, 1), a, current_stream(torch.cuda.current_device())))
+                line += f" (prefilter alone {ms_pf:.4f} ms)"
+            ref = sampler(drafts, logits, params, u)
+            got = sampler.launch(*args)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], ref.accepted) and torch.equal(got[1], ref.tokens)
+            print(line)

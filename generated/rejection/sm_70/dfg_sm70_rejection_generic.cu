@@ -6,25 +6,36 @@
 // vocab      runtime (<= 2^24)
 // drafts     runtime
 // key        32 logit bits + 24 id bits, padded by 0 to 7 radix digits of 8 bits
+// candidates rows with 0 < top_k <= 128 (and greedy rows): the top-k of every 4096-token chunk
 #include <dflashgen/rejection.cuh>
 
 using dflashgen::rejection::Desc;
+typedef unsigned long long u64;
+static_assert(dflashgen::rejection::CAP == 128 && dflashgen::rejection::CHUNK == 4096,
+              "dflashgen/rejection.py and rejection.cuh disagree on the candidate plan");
+
+extern "C" __global__ void __launch_bounds__(dflashgen::rejection::PF_THREADS, 4)
+dfg_sm70_rejection_generic_prefilter(const float* __restrict__ logits, const float* __restrict__ temperature,
+    const int* __restrict__ top_k, int vocab, int num_drafts, u64* __restrict__ cand) {
+  dflashgen::rejection::prefilter<24, 0, 7>(logits, temperature, top_k,
+      vocab, num_drafts, cand);
+}
 
 extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS, 1)
 dfg_sm70_rejection_generic(const float* __restrict__ logits, const long long* __restrict__ drafts,
     const float* __restrict__ temperature, const int* __restrict__ top_k, const float* __restrict__ top_p,
-    int vocab, int num_drafts, Desc* __restrict__ desc) {
+    int vocab, int num_drafts, const u64* __restrict__ cand, Desc* __restrict__ desc) {
   dflashgen::rejection::describe<24, 0, 7>(logits, drafts, temperature, top_k, top_p,
-      vocab, num_drafts, desc);
+      vocab, num_drafts, cand, desc);
 }
 
 extern "C" __global__ void __launch_bounds__(dflashgen::rejection::THREADS, 1)
 dfg_sm70_rejection_generic_decide(const float* __restrict__ logits, const long long* __restrict__ drafts,
-    const float* __restrict__ draft_probs, const float* __restrict__ temperature,
+    const float* __restrict__ draft_probs, const float* __restrict__ temperature, const int* __restrict__ top_k,
     const float* __restrict__ u_accept, const float* __restrict__ u_sample,
-    const unsigned char* __restrict__ accept_override, int vocab, int num_drafts,
+    const unsigned char* __restrict__ accept_override, int vocab, int num_drafts, const u64* __restrict__ cand,
     const Desc* __restrict__ desc, long long* __restrict__ accepted, long long* __restrict__ tokens) {
-  dflashgen::rejection::decide<24, 0>(logits, drafts, draft_probs, temperature, u_accept, u_sample,
-      accept_override, vocab, num_drafts, desc, accepted,
-      tokens);
+  dflashgen::rejection::decide<24, 0>(logits, drafts, draft_probs, temperature, top_k, u_accept,
+      u_sample, accept_override, vocab, num_drafts, cand,
+      desc, accepted, tokens);
 }
