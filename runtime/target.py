@@ -412,6 +412,9 @@ class TargetModel(torch.nn.Module):
         if self.tp > 1 and self.tp_group is None:
             raise ValueError(f"TP{self.tp} needs a TPContext with a process group (init_tp)")
         self.heads = local_heads(cfg, self.tp)  # (q heads, KV heads, GDN key heads, GDN value heads) here
+        # Set by load_target(..., invariant=True) once its projections are batch-invariant: the decoder
+        # then prefills joining requests one at a time (SpecDecoder._prefill) for byte-identity.
+        self.batch_invariant = False
         weights = shard_nonlinear(weights, cfg, self.tp, self.rank)
         lm = projections["lm_head"]
         if device is None:
