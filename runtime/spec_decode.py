@@ -618,18 +618,21 @@ class SpecDecoder:
                 td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
         else:
             self.target(pad.to(dev), tmp, num_new=n_new, logits=False)  # the state is what prefill is for
-        st = self.state
         for j, s in enumerate(joins):
-            n = lens[j]
-            for i in st.k:
-                st.k[i][s, :n] = tmp.k[i][j, :n]
-                st.v[i][s, :n] = tmp.v[i][j, :n]
-            for i in st.ssm:
-                st.ssm[i][s] = tmp.ssm[i][j]
-                st.conv[i][s] = tmp.conv[i][j]
-            st.lengths[s] = n
+            _copy_request(self.state, s, tmp, j, lens[j])
         timer.stop("prefill", t0)
         self.stats.prefill_ms.append(timer.flush()["prefill"])
+
+
+def _copy_request(dst: DecodeState, slot: int, src: DecodeState, j: int, n: int) -> None:
+    """Request j of ``src`` (its first n positions: KV, GDN recurrent and conv state) into ``slot`` of ``dst``."""
+    for i in dst.k:
+        dst.k[i][slot, :n] = src.k[i][j, :n]
+        dst.v[i][slot, :n] = src.v[i][j, :n]
+    for i in dst.ssm:
+        dst.ssm[i][slot] = src.ssm[i][j]
+        dst.conv[i][slot] = src.conv[i][j]
+    dst.lengths[slot] = n
 
 
 def _split_draft(out: DraftOutput) -> tuple[Tensor, Tensor | None]:
@@ -646,13 +649,17 @@ def plain_greedy(target: TargetModel, prompt: Sequence[int], n: int) -> list[int
     :class:`SpecDecoder` does (its first verify round starts at the last prompt token): the prompt's
     last position then goes through the same one-token GDN step as every decoded token instead of
     the prefill's (chunk-form, per-length) arithmetic, so a batch-invariant target gives
-    byte-identical tokens on both paths."""
+    byte-identical tokens on both paths. The prefill also runs in a scratch state of exactly
+    ``len(prompt) - 1`` positions, as the decoder's does: the prefill's reference attention reduces over
+    the cache length, whose GEMM shape would otherwise differ."""
     if not prompt or n < 1:
         raise ValueError("need a non-empty prompt and n >= 1")
     dev = target.device
     st = target.new_state(1, len(prompt) + n)
     if len(prompt) > 1:
-        target(torch.tensor([list(prompt[:-1])], device=dev), st, logits=False)
+        tmp = target.new_state(1, len(prompt) - 1)
+        target(torch.tensor([list(prompt[:-1])], device=dev), tmp, logits=False)
+        _copy_request(st, 0, tmp, 0, len(prompt) - 1)
     out = [int(target(torch.tensor([[prompt[-1]]], device=dev), st)[0, -1].argmax())]
     while len(out) < n:
         out.append(int(target(torch.tensor([[out[-1]]], device=dev), st)[0, -1].argmax()))

@@ -45,7 +45,7 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     again = {k.name: k.source for k in family_kernels("gdn")}
     for k in ks:
         assert again[k.name] == k.source  # deterministic
-        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w2"  # every parameter in the name
+        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w2_mb8"  # every parameter in the name
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
         assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source
         assert f"step<{k.meta['dk']}, 16, 2>" in k.source  # the specialisation only; logic in the header

@@ -71,7 +71,12 @@ struct Col {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) s[r][c] = live ? S[(long long)(lr + LR * r) * dv + j0 + c] : 0.f;
+      for (int c = 0; c < CPT; ++c) s[r][c] = 0.f;  // absent columns (dv not a multiple of COLS) stay 0
+    if (!live) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) s[r][c] = S[(long long)(lr + LR * r) * dv + j0 + c];
   }
   __device__ __forceinline__ void store(float* S, int dv, int lr, int j0, bool live) const {
     if (!live) return;
@@ -111,6 +116,9 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
   const L lay(dv);
   const long long bt = (long long)b * T;
+  const long long sbase = ((long long)b * Hv + h) * DK * dv;
+  Col<DK> col;
+  col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
   for (int e = threadIdx.x; e < T * DK; e += L::THREADS) {
     const int t = e / DK, i = e % DK;
     const long long at = ((bt + t) * Hk + kh) * DK + i;
@@ -135,9 +143,6 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
   }
   __syncthreads();
 
-  const long long sbase = ((long long)b * Hv + h) * DK * dv;
-  Col<DK> col;
-  col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);
   // positions to commit: S after `keep` steps is stored (0: S0 stays; -1: no commit)
   const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
   const int jl = lay.j0 - blockIdx.x * L::COLS;
@@ -169,12 +174,15 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
                                         long long d_l, const long long* __restrict__ n, int B, int T, int Hk,
                                         int Hv, int dv) {
   using L = Layout<WARPS>;
-  __shared__ float ks[MAXT][DK], ds[MAXT];
+  __shared__ float ks[MAXT][DK], us[MAXT][L::COLS], ds[MAXT];
   const int h = blockIdx.y, layer = blockIdx.z / B, b = blockIdx.z % B, kh = h / (Hv / Hk);
   const int steps = clamp_steps(n[b], T);
   if (steps == 0) return;
   const L lay(dv);
   const long long bt = (long long)b * T;
+  float* S = s + layer * s_l + ((long long)b * Hv + h) * DK * dv;
+  Col<DK> col;
+  col.load(S, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
   k += layer * k_l;
   u += layer * u_l;
   decay += layer * d_l;
@@ -182,16 +190,17 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
     const int t = e / DK, i = e % DK;
     ks[t][i] = k[((bt + t) * Hk + kh) * DK + i];
   }
+  for (int e = threadIdx.x; e < steps * L::COLS; e += L::THREADS) {  // all loads up front: no latency per step
+    const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+    us[t][e % L::COLS] = j < dv ? u[((bt + t) * Hv + h) * dv + j] : 0.f;
+  }
   if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
   __syncthreads();
-  float* S = s + layer * s_l + ((long long)b * Hv + h) * DK * dv;
-  Col<DK> col;
-  col.load(S, dv, lay.lr, lay.j0, lay.live);
+  const int jl = lay.j0 - blockIdx.x * L::COLS;
   for (int t = 0; t < steps; ++t) {
     float ut[CPT];
-    const long long at = ((bt + t) * Hv + h) * dv + lay.j0;
 #pragma unroll
-    for (int c = 0; c < CPT; ++c) ut[c] = lay.live ? u[at + c] : 0.f;
+    for (int c = 0; c < CPT; ++c) ut[c] = us[t][jl + c];
     col.decay(ds[t]);
     col.add(ks[t], ut, lay.lr);
   }
