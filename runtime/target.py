@@ -8,8 +8,14 @@ seed where the checkpoint lacks it (synthetic checkpoints hold only the projecti
 
 All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
 GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
-:meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta chunk terms from which
+:meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta terms from which
 :meth:`DecodeState.rollback` restores any accepted length exactly (speculative verify rounds).
+
+GDN recurrence: up to 16 positions (decode, verify, short prefills) run position by position through
+:func:`~.gdn_kernel.gdn_step` (the generated "gdn" kernel on CUDA, its op-for-op torch reference on
+CPU) with the causal conv as an explicit W-tap sum: a position's bits do not depend on T, the batch
+or the accepted length, so a verify round rolled back to n equals n one-token steps bitwise. Longer
+inputs (prefill) run in matrix (chunk) form, which rounds per chunk.
 Forward and rollback use static shapes, update the state in place and never sync with the host
 (``check=False``), so :mod:`~.graphs` captures them as CUDA graphs per batch size.
 
@@ -17,7 +23,8 @@ Batch invariance: no op reduces across requests; attention runs batched over eac
 cache (keys past its length masked to probability 0); the GDN recurrence and conv are per request.
 A request's logits can still differ from a single-request run by FP32 rounding (not bitwise): the
 projections run at M = B x T rows (CPU and GPU GEMMs round per shape; on a GPU
-:mod:`~.invariance` removes that for the projections) and the GDN chunk form rounds per chunk length.
+:mod:`~.invariance` removes that for the projections), and a prefill's chunk form and reference
+attention round per (batch, length) shape (a batch-invariant target prefills requests one at a time).
 
 Tensor parallelism (:meth:`TargetModel.from_checkpoint` with ``tp > 1`` and a :class:`~.parallel.TPContext`):
 each rank holds its projection shards (wrapped by :func:`~.parallel.wrap_projections`: column-parallel
@@ -213,10 +220,13 @@ class DecodeState:
     ``b`` slots as a state of views (one graph per batch size over the same storage).
 
     Rollback without per-position snapshots: an armed (``checkpoint``) forward of T positions leaves
-    the GDN recurrent state at S0 (before the forward) and keeps, per layer, the chunk terms of the
-    gated delta rule -- keys K, the delta-rule "new values" U and the cumulative log decays -- from
-    which the state after any n <= T positions is ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``
-    (one small GEMM); :meth:`rollback` computes exactly that (as a ``num_new`` commit does, bitwise).
+    the GDN recurrent state at S0 (before the forward) and keeps, per layer, the per-position terms of
+    the gated delta rule -- keys k_t, delta-rule values u_t and decays d_t -- from which
+    :meth:`rollback` replays ``S <- d_t S + k_t u_t^T`` for the first n positions with the step's own
+    update (:func:`~.gdn_kernel.gdn_advance`, every layer in one launch): bitwise a ``num_new`` commit
+    and n one-token steps. A forward of more than 16 positions keeps chunk terms instead (keys,
+    values, cumulative log decays) and rolls back by the closed form
+    ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
