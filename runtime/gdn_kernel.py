@@ -154,6 +154,13 @@ def _step_dims(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_de
     return b, t, hk, hv, dk, dv
 
 
+def _aligned(*states: Tensor | None) -> None:
+    # the kernels move state rows as float4 (gdn.cuh Col::load / store)
+    for x in states:
+        if x is not None and x.data_ptr() % 16:
+            _fail("the recurrent state must start at a 16-byte aligned address (every layer's block too)")
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -227,6 +234,7 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
                            ("k_out", k_out, (b, t, hk, dk)), ("commit", commit, (b, hv, dk, dv))):
         _check(name, x, shape, dev)
     _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s0, commit)
     if dev.type != "cuda":
         ro, ru, rd = reference_step(s0, q, k, v, beta, log_decay, commit=commit, n=n)
         if k_out is not None:
@@ -272,6 +280,7 @@ def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, ar
         if not inner.is_contiguous():
             _fail(f"{name}: each layer's block must be contiguous")
     _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s, s[1] if layered and nl > 1 else None)
     if dev.type != "cuda":
         reference_advance(s, k, u, decay, n)
         return

@@ -27,7 +27,7 @@ namespace gdn {
 
 constexpr int LR = 16;  // lanes along DK
 constexpr int LC = 2;   // lanes along the columns
-constexpr int CPT = 4;  // columns per thread
+constexpr int CPT = 4;  // columns per thread: one float4 per row
 
 __device__ __forceinline__ int clamp_steps(long long n, int T) { return n < 0 ? 0 : n > T ? T : (int)n; }
 
@@ -74,16 +74,18 @@ struct Col {
       for (int c = 0; c < CPT; ++c) s[r][c] = 0.f;  // absent columns (dv not a multiple of COLS) stay 0
     if (!live) return;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) s[r][c] = S[(long long)(lr + LR * r) * dv + j0 + c];
+    for (int r = 0; r < R; ++r) {  // 16-byte loads: the runtime checks S is 16-byte aligned, dv % 4 == 0
+      const float4 x = *reinterpret_cast<const float4*>(S + (long long)(lr + LR * r) * dv + j0);
+      s[r][0] = x.x, s[r][1] = x.y, s[r][2] = x.z, s[r][3] = x.w;
+    }
   }
   __device__ __forceinline__ void store(float* S, int dv, int lr, int j0, bool live) const {
     if (!live) return;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) S[(long long)(lr + LR * r) * dv + j0 + c] = s[r][c];
+    for (int r = 0; r < R; ++r) {
+      float4* at = reinterpret_cast<float4*>(S + (long long)(lr + LR * r) * dv + j0);
+      *at = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+    }
   }
 };
 
