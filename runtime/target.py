@@ -326,10 +326,12 @@ class DecodeState:
         if self.gdn_index:  # every layer at once
             if self._gdn_seq:  # the step's own update, one launch: bitwise n committed single steps
                 gdn_advance(self.ssm_all, self.stacked("gdn_k"), self.stacked("gdn_u"), self.stacked("gdn_decay"), n)
+                cat = self.stacked("gdn_conv_cat").transpose(-1, -2)  # stored time-major
             else:  # a chunk-form forward (T > 16): its closed form
                 _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n,
                               out=self.ssm_all)
-            self.conv_all.copy_(_window(self.stacked("conv_cat"), n, self.conv_all.shape[-1]))
+                cat = self.stacked("conv_cat")
+            self.conv_all.copy_(_window(cat, n, self.conv_all.shape[-1]))
         self.lengths.copy_(lengths)
         self._span = 0
 
@@ -628,8 +630,14 @@ class TargetModel(torch.nn.Module):
         mixed, z = qkvz.split([c, nv * dv], dim=-1)
         bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
 
-        # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous
-        cat = torch.cat((state.conv[i].transpose(1, 2), mixed), dim=1).transpose(1, 2)
+        # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous;
+        # an armed short forward writes them straight into its rollback buffer (no copy)
+        parts = (state.conv[i].transpose(1, 2), mixed)
+        if keep and t <= _SMALL_CHUNK:
+            buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
+            cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
+        else:
+            cat = torch.cat(parts, dim=1).transpose(1, 2)
         if t <= _SMALL_CHUNK:  # decode / verify: the sequential kernel (module docstring: exactness)
             o = self._gdn_steps(i, cat, bet, a, state, n_new, keep)
         else:
@@ -663,8 +671,8 @@ class TargetModel(torch.nn.Module):
         t = span - (width - 1)
         wt = self.w[f"model.layers.{i}.linear_attn.conv1d.weight"].view(c, width, 1)
         conv = cat[..., 0:t] * wt[:, 0]
-        for tap in range(1, width):
-            conv = conv + cat[..., tap:tap + t] * wt[:, tap]
+        for tap in range(1, width):  # elementwise: each output element's bits depend on its inputs only
+            conv = torch.addcmul(conv, cat[..., tap:tap + t], wt[:, tap])
         q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
         s0 = state.ssm[i]
         if keep:
@@ -673,8 +681,7 @@ class TargetModel(torch.nn.Module):
             o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
                                decay=state.stacked("gdn_decay", (t, nv))[j],
                                k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j])
-            state.stacked("conv_cat", tuple(cat.shape[1:]))[j].copy_(cat)
-            return o
+            return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
         o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
         state.conv[i].copy_(cat[..., t:] if n_new is None else _window(cat, n_new, width - 1))
         return o
