@@ -671,8 +671,10 @@ class TargetModel(torch.nn.Module):
         t = span - (width - 1)
         wt = self.w[f"model.layers.{i}.linear_attn.conv1d.weight"].view(c, width, 1)
         conv = cat[..., 0:t] * wt[:, 0]
-        for tap in range(1, width):  # elementwise: each output element's bits depend on its inputs only
-            conv = torch.addcmul(conv, cat[..., tap:tap + t], wt[:, tap])
+        # separate IEEE mul and add (not addcmul, whose FMA contraction could differ between the
+        # vectorized and strided elementwise kernels torch picks per shape)
+        for tap in range(1, width):
+            conv = conv + cat[..., tap:tap + t] * wt[:, tap]
         q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
         s0 = state.ssm[i]
         if keep:
