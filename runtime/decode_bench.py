@@ -174,6 +174,7 @@ def load_target(directory: str | Path, deployment: str | None = None, *, device:
                     md[name] = FixedShapeLinear(m)
         if isinstance(target.lm_head, torch.nn.Linear):
             target.lm_head = FixedShapeLinear(target.lm_head)
+        target.batch_invariant = True
         return target
     q = TargetModel.from_checkpoint(path, cfg, dep, seed=seed, act_dtype=torch.float32)
     projs = dequantized_projections(q)

@@ -584,7 +584,14 @@ class SpecDecoder:
     def _prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
         """Feed ``prompt[:-1]`` of the joining requests (right-padded, ``num_new``) in a scratch state
         and copy their caches into their slots: the in-flight requests are untouched and need no
-        headroom for the prompt chunk."""
+        headroom for the prompt chunk. A batch-invariant target (``target.batch_invariant``) prefills
+        each request alone instead, unpadded: the prefill's chunk-form GDN and conv round per
+        (batch, length) shape, and :func:`plain_greedy` prefills at B=1, so this is what makes a
+        request's tokens independent of who joins with it."""
+        if getattr(self.target, "batch_invariant", False) and len(joins) > 1:
+            for s in joins:
+                self._prefill(slots, [s])
+            return
         reqs = [slots[s] for s in joins]
         lens = [len(r.tokens) - 1 for r in reqs if r is not None]
         t = max(lens)
@@ -611,18 +618,21 @@ class SpecDecoder:
                 td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
         else:
             self.target(pad.to(dev), tmp, num_new=n_new, logits=False)  # the state is what prefill is for
-        st = self.state
         for j, s in enumerate(joins):
-            n = lens[j]
-            for i in st.k:
-                st.k[i][s, :n] = tmp.k[i][j, :n]
-                st.v[i][s, :n] = tmp.v[i][j, :n]
-            for i in st.ssm:
-                st.ssm[i][s] = tmp.ssm[i][j]
-                st.conv[i][s] = tmp.conv[i][j]
-            st.lengths[s] = n
+            _copy_request(self.state, s, tmp, j, lens[j])
         timer.stop("prefill", t0)
         self.stats.prefill_ms.append(timer.flush()["prefill"])
+
+
+def _copy_request(dst: DecodeState, slot: int, src: DecodeState, j: int, n: int) -> None:
+    """Request j of ``src`` (its first n positions: KV, GDN recurrent and conv state) into ``slot`` of ``dst``."""
+    for i in dst.k:
+        dst.k[i][slot, :n] = src.k[i][j, :n]
+        dst.v[i][slot, :n] = src.v[i][j, :n]
+    for i in dst.ssm:
+        dst.ssm[i][slot] = src.ssm[i][j]
+        dst.conv[i][slot] = src.conv[i][j]
+    dst.lengths[slot] = n
 
 
 def _split_draft(out: DraftOutput) -> tuple[Tensor, Tensor | None]:
@@ -633,13 +643,24 @@ def _split_draft(out: DraftOutput) -> tuple[Tensor, Tensor | None]:
 
 @torch.no_grad()
 def plain_greedy(target: TargetModel, prompt: Sequence[int], n: int) -> list[int]:
-    """Non-speculative greedy decoding, one token per forward: the equivalence oracle."""
+    """Non-speculative greedy decoding, one token per forward: the equivalence oracle.
+
+    Prefills ``prompt[:-1]`` and then steps the last prompt token alone, exactly as
+    :class:`SpecDecoder` does (its first verify round starts at the last prompt token): the prompt's
+    last position then goes through the same one-token GDN step as every decoded token instead of
+    the prefill's (chunk-form, per-length) arithmetic, so a batch-invariant target gives
+    byte-identical tokens on both paths. The prefill also runs in a scratch state of exactly
+    ``len(prompt) - 1`` positions, as the decoder's does: the prefill's reference attention reduces over
+    the cache length, whose GEMM shape would otherwise differ."""
     if not prompt or n < 1:
         raise ValueError("need a non-empty prompt and n >= 1")
     dev = target.device
     st = target.new_state(1, len(prompt) + n)
-    logits = target(torch.tensor([list(prompt)], device=dev), st)
-    out = [int(logits[0, -1].argmax())]
+    if len(prompt) > 1:
+        tmp = target.new_state(1, len(prompt) - 1)
+        target(torch.tensor([list(prompt[:-1])], device=dev), tmp, logits=False)
+        _copy_request(st, 0, tmp, 0, len(prompt) - 1)
+    out = [int(target(torch.tensor([[prompt[-1]]], device=dev), st)[0, -1].argmax())]
     while len(out) < n:
         out.append(int(target(torch.tensor([[out[-1]]], device=dev), st)[0, -1].argmax()))
     return out

@@ -8,8 +8,14 @@ seed where the checkpoint lacks it (synthetic checkpoints hold only the projecti
 
 All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
 GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
-:meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta chunk terms from which
+:meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta terms from which
 :meth:`DecodeState.rollback` restores any accepted length exactly (speculative verify rounds).
+
+GDN recurrence: up to 16 positions (decode, verify, short prefills) run position by position through
+:func:`~.gdn_kernel.gdn_step` (the generated "gdn" kernel on CUDA, its op-for-op torch reference on
+CPU) with the causal conv as an explicit W-tap sum: a position's bits do not depend on T, the batch
+or the accepted length, so a verify round rolled back to n equals n one-token steps bitwise. Longer
+inputs (prefill) run in matrix (chunk) form, which rounds per chunk.
 Forward and rollback use static shapes, update the state in place and never sync with the host
 (``check=False``), so :mod:`~.graphs` captures them as CUDA graphs per batch size.
 
@@ -17,7 +23,8 @@ Batch invariance: no op reduces across requests; attention runs batched over eac
 cache (keys past its length masked to probability 0); the GDN recurrence and conv are per request.
 A request's logits can still differ from a single-request run by FP32 rounding (not bitwise): the
 projections run at M = B x T rows (CPU and GPU GEMMs round per shape; on a GPU
-:mod:`~.invariance` removes that for the projections) and the GDN chunk form rounds per chunk length.
+:mod:`~.invariance` removes that for the projections), and a prefill's chunk form and reference
+attention round per (batch, length) shape (a batch-invariant target prefills requests one at a time).
 
 Tensor parallelism (:meth:`TargetModel.from_checkpoint` with ``tp > 1`` and a :class:`~.parallel.TPContext`):
 each rank holds its projection shards (wrapped by :func:`~.parallel.wrap_projections`: column-parallel
@@ -47,6 +54,7 @@ from dflashgen.model import FULL, ModelConfig
 
 from .attention_kernel import dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
+from .gdn_kernel import gdn_advance, gdn_step, per_value_head
 from .library import KernelLibrary
 from .parallel import TPContext, wrap_projections
 
@@ -212,10 +220,13 @@ class DecodeState:
     ``b`` slots as a state of views (one graph per batch size over the same storage).
 
     Rollback without per-position snapshots: an armed (``checkpoint``) forward of T positions leaves
-    the GDN recurrent state at S0 (before the forward) and keeps, per layer, the chunk terms of the
-    gated delta rule -- keys K, the delta-rule "new values" U and the cumulative log decays -- from
-    which the state after any n <= T positions is ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``
-    (one small GEMM); :meth:`rollback` computes exactly that (as a ``num_new`` commit does, bitwise).
+    the GDN recurrent state at S0 (before the forward) and keeps, per layer, the per-position terms of
+    the gated delta rule -- keys k_t, delta-rule values u_t and decays d_t -- from which
+    :meth:`rollback` replays ``S <- d_t S + k_t u_t^T`` for the first n positions with the step's own
+    update (:func:`~.gdn_kernel.gdn_advance`, every layer in one launch): bitwise a ``num_new`` commit
+    and n one-token steps. A forward of more than 16 positions keeps chunk terms instead (keys,
+    values, cumulative log decays) and rolls back by the closed form
+    ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -246,6 +257,7 @@ class DecodeState:
         self.conv = {i: self.conv_all[j] for i, j in self.gdn_index.items()}
         self._armed = 0  # positions the next forward keeps rollback terms for (0: commit everything)
         self._span = 0  # positions of the armed forward awaiting rollback (0: none)
+        self._gdn_seq = True  # the armed forward kept sequential-step terms (T <= 16), else chunk terms
         self._bufs: dict[str, Tensor] = {}  # verify scratch, full batch; narrowed states slice it
         self._root: DecodeState = self
         self._lo = 0
@@ -261,7 +273,7 @@ class DecodeState:
         sub.ssm_all, sub.conv_all = self.ssm_all[:, :batch], self.conv_all[:, :batch]
         for name in ("k", "v", "ssm", "conv"):
             setattr(sub, name, {i: t[:batch] for i, t in getattr(self, name).items()})
-        sub._armed, sub._span, sub._bufs, sub._root = 0, 0, {}, self._root
+        sub._armed, sub._span, sub._bufs, sub._root, sub._gdn_seq = 0, 0, {}, self._root, True
         return sub
 
     def buffer(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -312,8 +324,14 @@ class DecodeState:
             raise ValueError(f"rollback lengths {lengths.tolist()} outside the checkpointed range "
                              f"[{base.tolist()}, +{t}]")
         if self.gdn_index:  # every layer at once
-            _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n, out=self.ssm_all)
-            self.conv_all.copy_(_window(self.stacked("conv_cat"), n, self.conv_all.shape[-1]))
+            if self._gdn_seq:  # the step's own update, one launch: bitwise n committed single steps
+                gdn_advance(self.ssm_all, self.stacked("gdn_k"), self.stacked("gdn_u"), self.stacked("gdn_decay"), n)
+                cat = self.stacked("gdn_conv_cat").transpose(-1, -2)  # stored time-major
+            else:  # a chunk-form forward (T > 16): its closed form
+                _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n,
+                              out=self.ssm_all)
+                cat = self.stacked("conv_cat")
+            self.conv_all.copy_(_window(cat, n, self.conv_all.shape[-1]))
         self.lengths.copy_(lengths)
         self._span = 0
 
@@ -406,6 +424,9 @@ class TargetModel(torch.nn.Module):
         if self.tp > 1 and self.tp_group is None:
             raise ValueError(f"TP{self.tp} needs a TPContext with a process group (init_tp)")
         self.heads = local_heads(cfg, self.tp)  # (q heads, KV heads, GDN key heads, GDN value heads) here
+        # Set by load_target(..., invariant=True) once its projections are batch-invariant: the decoder
+        # then prefills joining requests one at a time (SpecDecoder._prefill) for byte-identity.
+        self.batch_invariant = False
         weights = shard_nonlinear(weights, cfg, self.tp, self.rank)
         lm = projections["lm_head"]
         if device is None:
@@ -538,6 +559,7 @@ class TargetModel(torch.nn.Module):
         if keep:
             state.buffer("base", (), torch.long).copy_(base)
             state._span = t
+            state._gdn_seq = t <= _SMALL_CHUNK
         state.lengths.copy_(base + (n_new if n_new is not None else t))
         state._armed = 0
         return out if taps is None else (out, {i: tapped[i] for i in taps})
@@ -600,28 +622,84 @@ class TargetModel(torch.nn.Module):
 
     def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
         b, t, _ = x.shape
-        _, _, dk, dv, width = _gdn_dims(self.cfg)
+        _, _, dk, dv, _ = _gdn_dims(self.cfg)
         _, _, nk, nv = self.heads  # this rank's key / value heads
         p = f"model.layers.{i}.linear_attn"
         qkvz = self._lin(self._p(i, "in_proj_qkvz"), x)
         c = 2 * nk * dk + nv * dv
         mixed, z = qkvz.split([c, nv * dv], dim=-1)
         bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
-        beta = torch.sigmoid(bet).transpose(1, 2)  # [B, Hv, T]
-        log_decay = (self.neg_a[i] * F.softplus(a + self.w[f"{p}.dt_bias"])).transpose(1, 2)  # -A * dt
 
-        # Depthwise causal conv (width W) over q|k|v, continuing from the last W-1 inputs.
-        cat = torch.cat((state.conv[i], mixed.transpose(1, 2)), dim=-1)  # [B, C, W-1+T]
-        mixed = F.silu(F.conv1d(cat, self.w[f"{p}.conv1d.weight"].view(c, 1, width), groups=c)).transpose(1, 2)
+        # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous;
+        # an armed short forward writes them straight into its rollback buffer (no copy)
+        parts = (state.conv[i].transpose(1, 2), mixed)
+        if keep and t <= _SMALL_CHUNK:
+            buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
+            cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
+        else:
+            cat = torch.cat(parts, dim=1).transpose(1, 2)
+        if t <= _SMALL_CHUNK:  # decode / verify: the sequential kernel (module docstring: exactness)
+            o = self._gdn_steps(i, cat, bet, a, state, n_new, keep)
+        else:
+            o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
+        o = _rms_norm(o, self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
+        o = o * F.silu(z.reshape(b, t, nv, dv))
+        return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))
+
+    def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor, b: int, t: int,
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """q, k [B, T, Hk, dk] (L2-normalised, q scaled), v [B, T, Hv, dv] (a strided view), beta and
+        log decay [B, T, Hv] from the conv output [B, C, T] and the in_proj_ba halves."""
+        _, _, dk, dv, _ = _gdn_dims(self.cfg)
+        _, _, nk, nv = self.heads
+        mixed = F.silu(conv).transpose(1, 2)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-        rep = nv // nk  # value head h reads key head h // rep (expand, not repeat_interleave: no host sync)
+        q = _l2_norm(q.reshape(b, t, nk, dk), dk**-0.5).contiguous()  # no-ops: time-major conv output
+        k = _l2_norm(k.reshape(b, t, nk, dk)).contiguous()
+        beta = torch.sigmoid(bet).contiguous()
+        log_decay = (self.neg_a[i] * F.softplus(a + self.w[f"model.layers.{i}.linear_attn.dt_bias"])).contiguous()
+        return q, k, v.reshape(b, t, nv, dv), beta, log_decay  # log decay = -A * dt
 
-        def per_value_head(x: Tensor) -> Tensor:
-            return x[:, :, :, None].expand(b, t, nk, rep, dk).reshape(b, t, nv, dk).transpose(1, 2)
+    def _gdn_steps(self, i: int, cat: Tensor, bet: Tensor, a: Tensor, state: DecodeState, n_new: Tensor | None,
+                   keep: bool) -> Tensor:
+        """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA):
+        position by position, so any T, batch and accepted length round exactly like one-token
+        decoding. The conv is an explicit W-tap sum in a fixed order (no cuDNN algorithm choice per
+        shape). Armed (``keep``): the state stays, k / u / decays go to the stacked rollback buffers."""
+        b, c, span = cat.shape
+        width = self.cfg.linear_conv_kernel_dim or 1
+        t = span - (width - 1)
+        wt = self.w[f"model.layers.{i}.linear_attn.conv1d.weight"].view(c, width, 1)
+        conv = cat[..., 0:t] * wt[:, 0]
+        # separate IEEE mul and add (not addcmul, whose FMA contraction could differ between the
+        # vectorized and strided elementwise kernels torch picks per shape)
+        for tap in range(1, width):
+            conv = conv + cat[..., tap:tap + t] * wt[:, tap]
+        q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
+        s0 = state.ssm[i]
+        if keep:
+            j = state.gdn_index[i]
+            _, _, nv, dv = v.shape
+            o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
+                               decay=state.stacked("gdn_decay", (t, nv))[j],
+                               k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j])
+            return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
+        o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
+        state.conv[i].copy_(cat[..., t:] if n_new is None else _window(cat, n_new, width - 1))
+        return o
 
-        q = per_value_head(_l2_norm(q.reshape(b, t, nk, dk), dk**-0.5))
-        k = per_value_head(_l2_norm(k.reshape(b, t, nk, dk)))  # [B, Hv, T, dk]
-        v = v.reshape(b, t, nv, dv).transpose(1, 2)
+    def _gdn_chunked(self, i: int, cat: Tensor, bet: Tensor, a: Tensor, state: DecodeState,
+                     n_new: Tensor | None, keep: bool) -> Tensor:
+        """Long inputs (prefill, T > 16) in matrix (chunk) form; returns o [B, Hv, T, dv]."""
+        b, c, span = cat.shape
+        _, _, dk, dv, width = _gdn_dims(self.cfg)
+        t = span - (width - 1)
+        p = f"model.layers.{i}.linear_attn"
+        conv = F.conv1d(cat, self.w[f"{p}.conv1d.weight"].view(c, 1, width), groups=c)
+        q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
+        nv = self.heads[3]
+        q, k = per_value_head(q, nv).transpose(1, 2), per_value_head(k, nv).transpose(1, 2)  # [B, Hv, T, dk]
+        v, beta, log_decay = v.transpose(1, 2), beta.transpose(1, 2), log_decay.transpose(1, 2)
 
         s0 = state.ssm[i]
         if keep:  # one chunk; the state stays at s0 until rollback picks the accepted length
@@ -641,7 +719,7 @@ class TargetModel(torch.nn.Module):
                     here = ((n_new > c0) & (n_new <= c1)).view(b, 1, 1, 1)
                     final = torch.where(here, _gdn_state_at(s, kk, u, g, (n_new - c0).clamp(0, c1 - c0)), final)
                 if c1 < t or n_new is None:
-                    s = _gdn_state_at(s, kk, u, g, torch.full((b,), c1 - c0, dtype=torch.long, device=x.device))
+                    s = _gdn_state_at(s, kk, u, g, torch.full((b,), c1 - c0, dtype=torch.long, device=s.device))
             o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             if n_new is None:
                 state.ssm[i].copy_(s)
@@ -649,10 +727,7 @@ class TargetModel(torch.nn.Module):
             else:
                 state.ssm[i].copy_(final)
                 state.conv[i].copy_(_window(cat, n_new, width - 1))
-
-        o = _rms_norm(o.transpose(1, 2), self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
-        o = o * F.silu(z.reshape(b, t, nv, dv))
-        return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))
+        return o
 
 
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only

@@ -1,7 +1,8 @@
 """GPU: the decode loop's generated pieces on an H200 -- the compact rejection-sampling kernel vs
 the dense reference (sm_90 cubin and compute_70 PTX JIT-compiled by the driver), CUDA-graph replay
 == eager, greedy byte-identity across B1/B2/B4/B8 and vs plain decoding on the generated GEMM
-kernels, and bad inputs. Skips cleanly without a GPU."""
+and gdn kernels, a verify round + rollback bitwise equal to one-token steps, and bad inputs.
+Skips cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -199,17 +200,49 @@ def test_static_drafter_graphs_equal_eager(target) -> None:
 
 
 def test_greedy_identical_across_batches_and_plain(target) -> None:
+    from dflashgen.runtime import gdn_kernel
     from dflashgen.runtime.sampling import SamplingParams
     from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder, plain_greedy
 
-    prompts = _prompts(8, 20, target.cfg.vocab_size)
+    assert target.batch_invariant  # joining requests prefill alone, as plain_greedy does
+    # prompts of 20..41 tokens (prefill in chunk form) and 1..6 (no prefill, or through the gdn step)
+    prompts = _prompts(8, 20, target.cfg.vocab_size) + [p[:1 + i] for i, p in enumerate(_prompts(8, 20, 97)[:6])]
     n = 24
     plain = [plain_greedy(target, p, n) for p in prompts]
     for b in (1, 2, 4, 8):
-        dec = SpecDecoder(target, NgramDrafter(), max_batch=b, max_len=96)  # prompts run to 2x20 tokens
+        dec = SpecDecoder(target, NgramDrafter(), max_batch=b, max_len=96)  # prompts run to 2x41 tokens
         got = dec.generate(prompts, SamplingParams(temperature=0.0), n)
         same = sum(g == p for g, p in zip(got, plain, strict=True))
         assert same == len(prompts), f"B{b}: {same}/{len(prompts)} byte-identical to plain greedy decoding"
+    assert gdn_kernel._KERNELS  # the GDN layers ran the generated kernel, not the torch reference
+
+
+def test_verify_rollback_is_bitwise_one_token_steps(target) -> None:
+    """One verify round (8 positions, armed) rolled back to n[b] leaves exactly the GDN state of n[b]
+    one-token forwards, and its logits rows equal theirs: the whole layer stack is position-exact and
+    batch-invariant (gdn kernel, batch-invariant projections, verify attention at any query count)."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    b, vocab = 4, target.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (b, 10), generator=g).to(dev)
+    block = torch.randint(0, vocab, (b, 8), generator=g).to(dev)
+    n = torch.tensor([8, 1, 3, 6], device=dev)
+    verify = target.new_state(b, 32)
+    for i in range(prompt.shape[1]):  # one token at a time: every forward stays on the verify-sized paths
+        target(prompt[:, i:i + 1], verify)
+    verify.checkpoint(8)
+    logits = target(block, verify)
+    verify.rollback(verify.lengths - 8 + n)
+    rows = []
+    for r in range(b):
+        steps = target.new_state(1, 32)
+        for i in range(prompt.shape[1]):
+            target(prompt[r:r + 1, i:i + 1], steps)
+        for i in range(int(n[r])):
+            rows.append((r, i, torch.equal(target(block[r:r + 1, i:i + 1], steps)[0, 0], logits[r, i])))
+        assert torch.equal(steps.ssm_all[:, 0], verify.ssm_all[:, r]), f"GDN state of request {r}"
+        assert torch.equal(steps.conv_all[:, 0], verify.conv_all[:, r]), f"conv state of request {r}"
+    assert all(ok for *_, ok in rows), f"logits rows differing (request, position): {[x[:2] for x in rows if not x[2]]}"
 
 
 def test_bad_inputs_leave_others_unaffected(target) -> None:

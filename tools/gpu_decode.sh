@@ -24,16 +24,16 @@ step() {  # step TIMEOUT_S CMD...: run with a timeout, log its output tail and e
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-# sm_90: the GEMMs the H200 tuning table dispatches + the rejection family, not all ~300 (any header
-# change re-fingerprints every kernel; a no-op when .build is warm); sm_70: the rejection family's
+# sm_90: the GEMMs the H200 tuning table dispatches + the rejection and gdn families, not all ~300 (any
+# header change re-fingerprints every kernel; a no-op when .build is warm); sm_70: those families'
 # compute_70 PTX (NVRTC 12.9 wheel), JIT-compiled by the driver in the tests.
 ONLY=$(python3 -c '
 import json, re
 names = set(re.findall(r"\"(dfg_sm90_[a-z0-9_]+)\"", open("tuning/nvidia-h200.json").read()))
-print("^(" + "|".join(sorted(names)) + ")$|_rejection_")')
+print("^(" + "|".join(sorted(names)) + ")$|_rejection_|_gdn_")')
 step 300 dflashgen build --arch 90 --only "$ONLY" -j 16 -q
-step 120 dflashgen build --arch 70 --only _rejection_ -j 16 -q
-step 300 bash -c "python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider -rfP 2>&1 | tee '$OUT/pytest-decode.log'"
+step 120 dflashgen build --arch 70 --only "_rejection_|_gdn_" -j 16 -q
+step 300 bash -c "python3 -m pytest -q -m gpu tests/test_gpu_gdn.py tests/test_gpu_decode.py -p no:cacheprovider -rfP 2>&1 | tee '$OUT/pytest-decode.log'"
 # smoke: the whole bench path on 4 layers in seconds, so a failure shows before the full-size run
 step 120 dflashgen decode-bench --synthetic --device cuda --layers 4 --prompts 4 --prompt-len 128 \
   --output-len 64 --batches 1 2

@@ -1,0 +1,298 @@
+"""The sequential gated delta rule for decode / verify steps: the generated kernel family "gdn" on
+CUDA, its torch reference elsewhere.
+
+Per request b and value head h (reading key head ``h // (Hv / Hk)``), for t = 0..T-1 in order::
+
+    S <- d_t S,  d_t = exp(log_decay_t)
+    u_t = beta_t (v_t - S^T k_t)
+    S <- S + k_t u_t^T
+    o_t = S^T q_t
+
+:func:`gdn_step` returns o, u and d for every position (optionally committing the state after ``n[b]``
+positions); :func:`gdn_advance` applies the first ``n[b]`` positions' updates from those terms (the
+rollback after a verify forward, every layer at once). Both use one update expression and one fixed
+reduction order over the key dim (``gdn.cuh``; :func:`reference_step` mirrors it op for op, without
+FMA), so a T-position step followed by ``advance(n)`` is bitwise ``n`` one-position steps, and a
+request's bits do not depend on the batch, the other requests or T. On CUDA only ``expf`` may differ
+from the reference (within an ulp or two).
+
+Shapes (FP32): state ``[B, Hv, dk, dv]``; q, k ``[B, T, Hk, dk]`` contiguous; v ``[B, T, Hv, dv]``
+(any batch / position strides, channels at one stride); beta, log_decay ``[B, T, Hv]``; o, u
+``[B, T, Hv, dv]``; decay ``[B, T, Hv]``. ``gdn_advance`` takes an optional leading layer dim on the
+state and the terms (per-layer blocks contiguous, layer strides free: stacked decode-state buffers
+narrowed to a batch). T <= 16, dv % 4 == 0, dk a generated key dim. No host sync: graph capturable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from typing import Any
+
+import torch
+
+from .driver import ArgPack, current_stream
+from .images import family_entries, load_module
+
+__all__ = ["GdnInputError", "gdn_advance", "gdn_step", "per_value_head", "reference_advance", "reference_step"]
+
+Tensor = torch.Tensor
+MAX_T = 16  # dflashgen.gdn_family.MAX_T
+ROW_LANES = 16  # gdn.cuh LR: the reduction order over the key dim
+COLS = 16  # columns per CTA (gdn_family.COLS)
+THREADS = 64
+
+
+class GdnInputError(ValueError):
+    """An argument does not fit the gated delta rule step (shape, dtype, device, T, head dims)."""
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def _dot(x: Tensor, s: Tensor) -> Tensor:
+    """sum_i x[..., i] s[..., i, :] in gdn.cuh's order: per row lane lr (i = lr + 16 r) a running sum
+    over r, then halving over the 16 lanes (= the xor butterfly, float add being commutative)."""
+    dk = s.shape[-2]
+    lanes = ROW_LANES if dk % ROW_LANES == 0 else 1
+    p = (x[..., :, None] * s).unflatten(-2, (dk // lanes, lanes))  # [..., R, lanes, dv]
+    acc = p[..., 0, :, :]
+    for r in range(1, dk // lanes):
+        acc = acc + p[..., r, :, :]
+    while acc.shape[-2] > 1:
+        h = acc.shape[-2] // 2
+        acc = acc[..., :h, :] + acc[..., h:, :]
+    return acc[..., 0, :]
+
+
+def per_value_head(x: Tensor, hv: int) -> Tensor:
+    """[..., Hk, dk] -> [..., Hv, dk]: value head h reads key head h // (Hv / Hk) (a view, no sync)."""
+    *lead, hk, dk = x.shape
+    return x[..., None, :].expand(*lead, hk, hv // hk, dk).reshape(*lead, hv, dk)
+
+
+def reference_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
+                   commit: Tensor | None = None, n: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The step in torch (any device): (o, u, decay); ``commit`` (may be ``s0``) gets the state after
+    ``n[b]`` positions (default T). The same roundings as the kernel, no FMA."""
+    b, t, _, _ = k.shape
+    hv = beta.shape[-1]
+    kk, qq = per_value_head(k, hv), per_value_head(q, hv)
+    s = final = s0
+    nb = (n if n is not None else torch.full((b,), t, dtype=torch.long, device=s0.device)).view(b, 1, 1, 1)
+    o = torch.empty(v.shape, dtype=torch.float32, device=s0.device)
+    u = torch.empty_like(o)
+    decay = torch.empty(b, t, hv, dtype=torch.float32, device=s0.device)
+    for i in range(t):
+        d = torch.exp(log_decay[:, i].contiguous())  # [B, Hv]; same shape at any T: same exp path
+        decay[:, i] = d
+        s = s * d[..., None, None]
+        ui = beta[:, i, :, None] * (v[:, i] - _dot(kk[:, i], s))
+        s = s + kk[:, i, :, :, None] * ui[..., None, :]
+        u[:, i] = ui
+        o[:, i] = _dot(qq[:, i], s)
+        if commit is not None:
+            final = torch.where(nb == i + 1, s, final)
+    if commit is not None:
+        commit.copy_(final)
+    return o, u, decay
+
+
+def reference_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor) -> None:
+    """In place: s <- the state after the first ``n[b]`` positions' updates (leading dims allowed)."""
+    t, hv = k.shape[-3], s.shape[-3]
+    kk = per_value_head(k, hv)
+    nb = n.view(-1, 1, 1, 1)
+    cur = s
+    for i in range(t):
+        nxt = cur * decay[..., i, :, None, None] + kk[..., i, :, :, None] * u[..., i, :, None, :]
+        cur = torch.where(nb > i, nxt, cur)
+    s.copy_(cur)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _fail(msg: str) -> None:
+    raise GdnInputError(msg)
+
+
+def _check(name: str, x: Tensor | None, shape: tuple[int, ...], dev: torch.device, *, contiguous: bool = True,
+           dtype: torch.dtype = torch.float32) -> None:
+    if x is None:
+        return
+    if tuple(x.shape) != shape or x.dtype != dtype or x.device != dev:
+        _fail(f"{name} must be {dtype} {list(shape)} on {dev}, got {x.dtype} {list(x.shape)} on {x.device}")
+    if contiguous and not x.is_contiguous():
+        _fail(f"{name} must be contiguous")
+
+
+def _step_dims(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor,
+               ) -> tuple[int, int, int, int, int, int]:
+    if k.dim() != 4:
+        _fail(f"k must be [B, T, Hk, dk], got {list(k.shape)}")
+    b, t, hk, dk = k.shape
+    if s0.dim() != 4:
+        _fail(f"the state must be [B, Hv, dk, dv], got {list(s0.shape)}")
+    hv, dv = s0.shape[1], s0.shape[3]
+    if not 1 <= t <= MAX_T:
+        _fail(f"T={t} positions: the gdn step serves 1..{MAX_T} (longer inputs take the chunked form)")
+    if hk < 1 or hv % hk:
+        _fail(f"{hv} value heads are not a multiple of {hk} key heads")
+    if dv % 4:
+        _fail(f"value head dim {dv} is not a multiple of 4")
+    dev = s0.device
+    _check("state", s0, (b, hv, dk, dv), dev)
+    _check("q", q, (b, t, hk, dk), dev)
+    _check("k", k, (b, t, hk, dk), dev)
+    _check("v", v, (b, t, hv, dv), dev, contiguous=False)
+    if v.stride(2) != dv * v.stride(3):
+        _fail("v's head and channel strides must flatten to one channel stride")
+    _check("beta", beta, (b, t, hv), dev)
+    _check("log_decay", log_decay, (b, t, hv), dev)
+    return b, t, hk, hv, dk, dv
+
+
+def _aligned(*states: Tensor | None) -> None:
+    # the kernels move state rows as float4 (gdn.cuh Col::load / store)
+    for x in states:
+        if x is not None and x.data_ptr() % 16:
+            _fail("the recurrent state must start at a 16-byte aligned address (every layer's block too)")
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def kernel_arch(device: torch.device, arch: int | None = None) -> int:
+    """90 / 80 / 70 for this GPU, or ``arch`` / $DFLASHGEN_GDN_ARCH (70: the compute_70 PTX via the JIT)."""
+    if arch is None and os.environ.get("DFLASHGEN_GDN_ARCH"):
+        arch = int(os.environ["DFLASHGEN_GDN_ARCH"])
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = 10 * major + minor
+    if arch is not None:
+        if arch > cc:
+            _fail(f"sm_{arch} kernels cannot run on this sm_{cc} GPU")
+        return arch
+    if cc < 70:
+        _fail(f"sm_{cc} GPUs are not supported (sm_70 or newer)")
+    return 90 if cc >= 90 else 80 if cc >= 80 else 70
+
+
+@cache
+def _entries() -> tuple[dict[str, Any], ...]:
+    return tuple(family_entries("gdn").values())
+
+
+class _Kernels:
+    """The step / advance pair for one (key dim, arch, device), with persistent launch arguments."""
+
+    def __init__(self, dk: int, arch: int, device_index: int) -> None:
+        found = [e for e in _entries() if e["arch"] == arch and e["dk"] == dk]
+        if not found:
+            have = sorted({e["dk"] for e in _entries() if e["arch"] == arch})
+            _fail(f"no sm_{arch} gdn kernel for key head dim {dk} (generated: {have}); add it to "
+                  "dflashgen/gdn_family.py and run `dflashgen generate`")
+        entry = found[0]
+        mod = load_module(entry, device_index)
+        self.name = entry["name"]
+        self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
+        p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+        self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p])
+        self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
+
+
+_KERNELS: dict[tuple[int, int, int], _Kernels] = {}
+
+
+def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    a = kernel_arch(dev, arch)
+    key = (dk, a, idx)
+    if key not in _KERNELS:
+        _KERNELS[key] = _Kernels(dk, a, idx)
+    return _KERNELS[key], idx
+
+
+def _ptr(t: Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
+             o: Tensor | None = None, u: Tensor | None = None, decay: Tensor | None = None,
+             k_out: Tensor | None = None, commit: Tensor | None = None, n: Tensor | None = None,
+             arch: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """T <= 16 positions of the gated delta rule from state ``s0`` (read only, unless it is ``commit``).
+
+    Returns (o, u, decay) -- into ``o`` / ``u`` / ``decay`` when given (contiguous, e.g. stacked
+    decode-state buffers). ``k_out``: also copy k there (what :func:`gdn_advance` needs). ``commit``:
+    write the state after ``n[b]`` positions (int64 ``[B]`` on the device; None: all T) there; it may
+    be ``s0`` (in place). CUDA: the generated kernel; otherwise :func:`reference_step`."""
+    b, t, hk, hv, dk, dv = _step_dims(s0, q, k, v, beta, log_decay)
+    dev = s0.device
+    for name, x, shape in (("o", o, (b, t, hv, dv)), ("u", u, (b, t, hv, dv)), ("decay", decay, (b, t, hv)),
+                           ("k_out", k_out, (b, t, hk, dk)), ("commit", commit, (b, hv, dk, dv))):
+        _check(name, x, shape, dev)
+    _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s0, commit)
+    if dev.type != "cuda":
+        ro, ru, rd = reference_step(s0, q, k, v, beta, log_decay, commit=commit, n=n)
+        if k_out is not None:
+            k_out.copy_(k)
+        for dst, src in ((o, ro), (u, ru), (decay, rd)):
+            if dst is not None:
+                dst.copy_(src)
+        return (o if o is not None else ro), (u if u is not None else ru), (decay if decay is not None else rd)
+    o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
+    u = torch.empty_like(o) if u is None else u
+    decay = torch.empty((b, t, hv), dtype=torch.float32, device=dev) if decay is None else decay
+    kn, idx = _kernels(dev, dk, arch)
+    a = kn.step_args
+    with a.lock:
+        vals = (s0.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
+                beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), u.data_ptr(),
+                decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n))
+        for slot, val in zip(a.values, vals, strict=True):
+            slot.value = val
+        kn.step.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx))
+    return o, u, decay
+
+
+def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, arch: int | None = None) -> None:
+    """In place: ``s`` <- the state after the first ``n[b]`` positions whose terms (k, u, decay) a
+    :func:`gdn_step` from ``s`` produced (n = 0: unchanged). An optional leading layer dim on every
+    tensor but ``n`` covers all layers in one launch. CUDA: the generated kernel; else the reference."""
+    layered = s.dim() == 5
+    if s.dim() not in (4, 5) or k.dim() != s.dim() or u.dim() != s.dim() or decay.dim() != s.dim() - 1:
+        _fail(f"advance takes state [(L,) B, Hv, dk, dv], k [(L,) B, T, Hk, dk], u [(L,) B, T, Hv, dv], "
+              f"decay [(L,) B, T, Hv]; got {list(s.shape)}, {list(k.shape)}, {list(u.shape)}, {list(decay.shape)}")
+    lead = s.shape[:1] if layered else ()
+    nl = s.shape[0] if layered else 1
+    b, hv, dk, dv = s.shape[-4:]
+    t, hk = k.shape[-3], k.shape[-2]
+    if not 1 <= t <= MAX_T or hk < 1 or hv % hk or dv % 4:
+        _fail(f"advance: T={t} (1..{MAX_T}), {hv} value / {hk} key heads, dv={dv} (multiple of 4) do not fit")
+    dev = s.device
+    for name, x, shape in (("state", s, (*lead, b, hv, dk, dv)), ("k", k, (*lead, b, t, hk, dk)),
+                           ("u", u, (*lead, b, t, hv, dv)), ("decay", decay, (*lead, b, t, hv))):
+        _check(name, x, shape, dev, contiguous=False)
+        inner = x[0] if layered else x
+        if not inner.is_contiguous():
+            _fail(f"{name}: each layer's block must be contiguous")
+    _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s, s[1] if layered and nl > 1 else None)
+    if dev.type != "cuda":
+        reference_advance(s, k, u, decay, n)
+        return
+    kn, idx = _kernels(dev, dk, arch)
+
+    def lstride(x: Tensor) -> int:
+        return x.stride(0) if layered else 0
+
+    a = kn.adv_args
+    with a.lock:
+        vals = (s.data_ptr(), lstride(s), k.data_ptr(), lstride(k), u.data_ptr(), lstride(u), decay.data_ptr(),
+                lstride(decay), n.data_ptr(), b, t, hk, hv, dv)
+        for slot, val in zip(a.values, vals, strict=True):
+            slot.value = val
+        kn.advance.launch_pack((-(-dv // COLS), hv, nl * b), (THREADS, 1, 1), a, current_stream(idx))

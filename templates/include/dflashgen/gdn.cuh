@@ -1,0 +1,213 @@
+// dflashgen gated delta rule (Gated DeltaNet) for decode / verify steps: sequential, exact, batch-invariant.
+//
+// Per request b and value head h (key head h / (Hv / Hk)), for t = 0..T-1 in order:
+//   S <- d_t S                           d_t = expf(log_decay_t)
+//   u_t = beta_t (v_t - S^T k_t)         (S already decayed)
+//   S <- S + k_t u_t^T
+//   o_t = S^T q_t
+// S is [DK, dv] FP32; every column j evolves on its own (u_t[j] and o_t[j] need only column j), so a
+// CTA owns a block of columns and no reduction ever crosses columns, requests or heads.
+//
+// Thread layout (mirrored by runtime/gdn_kernel.py::reference_step, which reproduces the bits up to
+// expf): lane = 2 * lr + lc, lr in [0, 16) splits the DK rows, lc in [0, 2) the columns. A thread
+// holds rows i = lr + 16 r (r < DK / 16) of columns j = col0 + 8 w + 4 lc + c (c < 4). A dot product
+// over DK: per thread p = x_0 s_0 + x_1 s_1 + ... (r ascending, one rounding per mul and add), then an
+// xor butterfly over lr (lane offsets 16, 8, 4, 2): a fixed order for any T, batch or grid.
+// No FMA contraction anywhere (__fmul_rn / __fadd_rn): the torch reference uses the same roundings.
+//
+// step    grid (ceil(dv / COLS), Hv, B): o, u and decay for every position; S0 is only read, except
+//         with `commit`: S after n[b] positions (n = nullptr: all T) is written to `commit` (may be S0).
+// advance grid (ceil(dv / COLS), Hv, L * B): S <- S after n[b] positions, from the u / decay / k a step
+//         wrote (one launch for every GDN layer: per-layer strides). The same update functions as step,
+//         so a T-position verify followed by advance(n) is bitwise n single-position steps.
+#pragma once
+
+namespace dflashgen {
+namespace gdn {
+
+constexpr int LR = 16;  // lanes along DK
+constexpr int LC = 2;   // lanes along the columns
+constexpr int CPT = 4;  // columns per thread: one float4 per row
+
+__device__ __forceinline__ int clamp_steps(long long n, int T) { return n < 0 ? 0 : n > T ? T : (int)n; }
+
+template <int DK>
+struct Col {
+  static constexpr int R = DK / LR;
+  static_assert(DK % LR == 0, "DK must be a multiple of 16");
+  float s[R][CPT];
+
+  __device__ __forceinline__ void decay(float d) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) s[r][c] = __fmul_rn(d, s[r][c]);
+  }
+  // S += k u^T on this thread's rows / columns (x: the DK-vector in shared memory).
+  __device__ __forceinline__ void add(const float* x, const float (&u)[CPT], int lr) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float k = x[lr + LR * r];
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) s[r][c] = __fadd_rn(s[r][c], __fmul_rn(k, u[c]));
+    }
+  }
+  // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits).
+  __device__ __forceinline__ void dot(const float* x, float (&out)[CPT], int lr) const {
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) out[c] = __fmul_rn(x[lr], s[0][c]);
+#pragma unroll
+    for (int r = 1; r < R; ++r) {
+      const float k = x[lr + LR * r];
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) out[c] = __fadd_rn(out[c], __fmul_rn(k, s[r][c]));
+    }
+#pragma unroll
+    for (int off = LR / 2; off > 0; off >>= 1)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
+  }
+  __device__ __forceinline__ void load(const float* S, int dv, int lr, int j0, bool live) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) s[r][c] = 0.f;  // absent columns (dv not a multiple of COLS) stay 0
+    if (!live) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // 16-byte loads: the runtime checks S is 16-byte aligned, dv % 4 == 0
+      const float4 x = *reinterpret_cast<const float4*>(S + (long long)(lr + LR * r) * dv + j0);
+      s[r][0] = x.x, s[r][1] = x.y, s[r][2] = x.z, s[r][3] = x.w;
+    }
+  }
+  __device__ __forceinline__ void store(float* S, int dv, int lr, int j0, bool live) const {
+    if (!live) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float4* at = reinterpret_cast<float4*>(S + (long long)(lr + LR * r) * dv + j0);
+      *at = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+    }
+  }
+};
+
+template <int WARPS>
+struct Layout {
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int COLS = WARPS * LC * CPT;  // columns per CTA
+  int lr, j0;  // this thread's first row and first column
+  bool live;   // its columns exist (dv % 4 == 0: all four or none)
+  __device__ __forceinline__ Layout(int dv) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    lr = lane >> 1;
+    j0 = blockIdx.x * COLS + w * (LC * CPT) + (lane & 1) * CPT;
+    live = j0 < dv;
+  }
+};
+
+// q, k [B, T, Hk, DK] contiguous; v element (b, t, h * dv + j) at b * vs_b + t * vs_t + (h * dv + j) * vs_c;
+// beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]; decay [B, T, Hv];
+// k_out [B, T, Hk, DK] (a copy of k for advance; nullptr: none). S0 [B, Hv, DK, dv].
+template <int DK, int MAXT, int WARPS>
+__device__ __forceinline__ void step(const float* s0, const float* __restrict__ q, const float* __restrict__ k,
+                                     const float* __restrict__ v, long long vs_b, long long vs_t, long long vs_c,
+                                     const float* __restrict__ beta, const float* __restrict__ log_decay, int T,
+                                     int Hk, int Hv, int dv, float* __restrict__ o, float* __restrict__ u,
+                                     float* __restrict__ decay, float* __restrict__ k_out, float* commit,
+                                     const long long* __restrict__ n) {
+  using L = Layout<WARPS>;
+  __shared__ float qs[MAXT][DK], ks[MAXT][DK], vs[MAXT][L::COLS], bs[MAXT], ds[MAXT];
+  const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
+  const L lay(dv);
+  const long long bt = (long long)b * T;
+  const long long sbase = ((long long)b * Hv + h) * DK * dv;
+  Col<DK> col;
+  col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
+  for (int e = threadIdx.x; e < T * DK; e += L::THREADS) {
+    const int t = e / DK, i = e % DK;
+    const long long at = ((bt + t) * Hk + kh) * DK + i;
+    qs[t][i] = q[at];
+    ks[t][i] = k[at];
+  }
+  for (int e = threadIdx.x; e < T * L::COLS; e += L::THREADS) {
+    const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+    vs[t][e % L::COLS] = j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+  }
+  if (threadIdx.x < T) {
+    const long long at = (bt + threadIdx.x) * Hv + h;
+    bs[threadIdx.x] = beta[at];
+    ds[threadIdx.x] = expf(log_decay[at]);
+    if (blockIdx.x == 0) decay[at] = ds[threadIdx.x];
+  }
+  if (k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0) {
+    for (int e = threadIdx.x; e < T * DK; e += L::THREADS) {
+      const int t = e / DK, i = e % DK;
+      k_out[((bt + t) * Hk + kh) * DK + i] = k[((bt + t) * Hk + kh) * DK + i];
+    }
+  }
+  __syncthreads();
+
+  // positions to commit: S after `keep` steps is stored (0: S0 stays; -1: no commit)
+  const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
+  const int jl = lay.j0 - blockIdx.x * L::COLS;
+  for (int t = 0; t < T; ++t) {
+    col.decay(ds[t]);
+    float kv[CPT], ut[CPT], ot[CPT];
+    col.dot(ks[t], kv, lay.lr);
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(bs[t], __fsub_rn(vs[t][jl + c], kv[c]));
+    col.add(ks[t], ut, lay.lr);
+    col.dot(qs[t], ot, lay.lr);
+    if (lay.live && lay.lr == 0) {
+      const long long at = ((bt + t) * Hv + h) * dv + lay.j0;
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) {
+        o[at + c] = ot[c];
+        u[at + c] = ut[c];
+      }
+    }
+    if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
+  }
+}
+
+// S [L, B, Hv, DK, dv] (layer stride s_l, batch-contiguous inside a layer); k [L, B, T, Hk, DK],
+// u [L, B, T, Hv, dv], decay [L, B, T, Hv] (layer strides k_l, u_l, d_l); n [B] in [0, T] (clamped).
+template <int DK, int MAXT, int WARPS>
+__device__ __forceinline__ void advance(float* s, long long s_l, const float* __restrict__ k, long long k_l,
+                                        const float* __restrict__ u, long long u_l, const float* __restrict__ decay,
+                                        long long d_l, const long long* __restrict__ n, int B, int T, int Hk,
+                                        int Hv, int dv) {
+  using L = Layout<WARPS>;
+  __shared__ float ks[MAXT][DK], us[MAXT][L::COLS], ds[MAXT];
+  const int h = blockIdx.y, layer = blockIdx.z / B, b = blockIdx.z % B, kh = h / (Hv / Hk);
+  const int steps = clamp_steps(n[b], T);
+  if (steps == 0) return;
+  const L lay(dv);
+  const long long bt = (long long)b * T;
+  float* S = s + layer * s_l + ((long long)b * Hv + h) * DK * dv;
+  Col<DK> col;
+  col.load(S, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
+  k += layer * k_l;
+  u += layer * u_l;
+  decay += layer * d_l;
+  for (int e = threadIdx.x; e < steps * DK; e += L::THREADS) {
+    const int t = e / DK, i = e % DK;
+    ks[t][i] = k[((bt + t) * Hk + kh) * DK + i];
+  }
+  for (int e = threadIdx.x; e < steps * L::COLS; e += L::THREADS) {  // all loads up front: no latency per step
+    const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+    us[t][e % L::COLS] = j < dv ? u[((bt + t) * Hv + h) * dv + j] : 0.f;
+  }
+  if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
+  __syncthreads();
+  const int jl = lay.j0 - blockIdx.x * L::COLS;
+  for (int t = 0; t < steps; ++t) {
+    float ut[CPT];
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) ut[c] = us[t][jl + c];
+    col.decay(ds[t]);
+    col.add(ks[t], ut, lay.lr);
+  }
+  col.store(S, dv, lay.lr, lay.j0, lay.live);
+}
+
+}  // namespace gdn
+}  // namespace dflashgen

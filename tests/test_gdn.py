@@ -1,0 +1,251 @@
+"""The gated delta rule kernel family "gdn" (CPU): rendering, manifest, the sm_70 (NVRTC + ptxas 12.9)
+and sm_80 / sm_90 (nvcc, when present) compiles without spills, and the torch reference the kernel
+mirrors: equal to the chunk (matrix) form within FP32 rounding, a T-position step followed by
+advance(n) bitwise equal to n one-position steps, the target's rollback, and greedy equivalence with
+the per-request prefill of a batch-invariant target. GPU tests: tests/test_gpu_gdn.py."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import single_thread, tiny_fp32_target
+from dflashgen.runtime.decode_bench import TINY
+from dflashgen.runtime.gdn_kernel import GdnInputError, gdn_advance, gdn_step, per_value_head, reference_step
+from dflashgen.runtime.sampling import SamplingParams
+from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder, plain_greedy
+from dflashgen.runtime.target import TargetModel, _gdn_chunk, _gdn_state_at
+
+from dflashgen import gdn_family
+from dflashgen.build import build
+from dflashgen.model import parse_model_config
+from dflashgen.render import FAMILY_MODULES, family_kernels, generated_dir, load_manifest
+from dflashgen.toolchain import parse_ptxas_log
+
+CFG = parse_model_config(TINY)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_thread():
+        yield
+
+
+# --------------------------------------------------------------------------- family
+
+
+def test_family_renders_every_arch_and_key_dim() -> None:
+    assert FAMILY_MODULES["gdn"] == "dflashgen.gdn_family"
+    ks = family_kernels("gdn")
+    assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
+    assert 128 in gdn_family.key_dims()  # Qwen3.8-27B
+    again = {k.name: k.source for k in family_kernels("gdn")}
+    for k in ks:
+        assert again[k.name] == k.source  # deterministic
+        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w2_mb8"  # every parameter in the name
+        assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
+        assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source
+        assert f"step<{k.meta['dk']}, 16, 2>" in k.source  # the specialisation only; logic in the header
+
+
+def test_manifest_lists_the_family_and_files_exist() -> None:
+    entries = load_manifest()["families"]["gdn"]
+    assert len(entries) == 3 * len(gdn_family.key_dims())
+    for e in entries:
+        assert (generated_dir() / e["file"]).is_file() and e["family"] == "gdn"
+        assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
+
+
+@pytest.mark.parametrize("arch", [70, 80, 90])
+def test_family_compiles_without_spills(arch: int) -> None:
+    if arch != 70 and shutil.which("nvcc") is None:
+        pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
+    res = build([arch], only="_gdn_", progress=False)
+    assert len(res.resources()) == len(gdn_family.key_dims())
+    for a in res.artifacts.values():
+        entries = parse_ptxas_log(a.log.read_text())
+        assert set(entries) == {a.name, a.name + "_advance"}
+        assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
+        ptx = a.ptx.read_text()
+        assert f".entry {a.name}(" in ptx and f".entry {a.name}_advance(" in ptx
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def _inputs(b: int, t: int, hk: int, hv: int, dk: int, dv: int, seed: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    s0 = randn(b, hv, dk, dv) * 0.3
+    q = torch.nn.functional.normalize(randn(b, t, hk, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(randn(b, t, hk, dk), dim=-1)
+    v = randn(b, t, hv, dv)
+    beta = torch.rand(b, t, hv, generator=g)
+    log_decay = -2 * torch.rand(b, t, hv, generator=g)
+    return tuple(x.to(device) for x in (s0, q, k, v, beta, log_decay))
+
+
+@pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(8, 2, 4, 32, 48), (16, 1, 3, 16, 16), (1, 2, 2, 20, 8)])
+def test_reference_equals_chunk_form(t: int, hk: int, hv: int, dk: int, dv: int) -> None:
+    s0, q, k, v, beta, ld = _inputs(3, t, hk, hv, dk, dv, seed=t + dk)
+    o, u, decay = gdn_step(s0, q, k, v, beta, ld)
+    oc, kk, uc, g = _gdn_chunk(s0, per_value_head(q, hv).transpose(1, 2), per_value_head(k, hv).transpose(1, 2),
+                               v.transpose(1, 2), beta.transpose(1, 2), ld.transpose(1, 2))
+    torch.testing.assert_close(o, oc.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u, uc.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decay, ld.exp(), rtol=1e-6, atol=0)
+    n = torch.tensor([0, t // 2, t])
+    s = s0.clone()
+    gdn_advance(s, k, u, decay, n)
+    torch.testing.assert_close(s, _gdn_state_at(s0, kk, uc, g, n), rtol=1e-5, atol=1e-5)
+
+
+def test_step_then_advance_is_bitwise_single_steps() -> None:
+    """T = 8 then advance(n[b]) == n[b] one-position steps (each committing), outputs included;
+    also a padded T = 8 step committing n directly, and every layer of a stacked advance at once."""
+    b, t, hk, hv, dk, dv = 3, 8, 2, 4, 32, 16
+    s0, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=1)
+    o, u, decay = gdn_step(s0, q, k, v, beta, ld)
+    n = torch.tensor([3, 0, 8])
+    adv = s0.clone()
+    gdn_advance(adv, k, u, decay, n)
+    committed = s0.clone()
+    o2, _, _ = gdn_step(committed, q, k, v, beta, ld, commit=committed, n=n)  # in place
+    assert torch.equal(o2, o) and torch.equal(committed, adv)
+    for r in range(b):
+        st = s0[r:r + 1].clone()
+        for i in range(int(n[r])):
+            sl = slice(i, i + 1)
+            oi, _, _ = gdn_step(st, q[r:r + 1, sl], k[r:r + 1, sl], v[r:r + 1, sl], beta[r:r + 1, sl],
+                                ld[r:r + 1, sl], commit=st)
+            assert torch.equal(oi[0, 0], o[r, i])
+        assert torch.equal(st[0], adv[r])
+    # stacked layers [L, B_root, ...] narrowed to the batch: per-layer blocks contiguous, layer stride free
+    lay = 2
+    s_all = torch.stack([s0, s0 * 0.5, s0]).contiguous()[:lay]
+    k_all = torch.stack([k, k, k])[:lay]
+    u_all, d_all = torch.stack([u, u, u])[:lay], torch.stack([decay, decay, decay])[:lay]
+    root = torch.zeros(lay, b + 2, hv, dk, dv)
+    view = root[:, :b]
+    view.copy_(s_all)
+    kr, ur, dr = (torch.zeros(lay, b + 2, *x.shape[2:]) for x in (k_all, u_all, d_all))
+    kr[:, :b], ur[:, :b], dr[:, :b] = k_all, u_all, d_all
+    gdn_advance(view, kr[:, :b], ur[:, :b], dr[:, :b], n)
+    assert torch.equal(view[0], adv) and torch.equal(root[:, b:], torch.zeros(lay, 2, hv, dk, dv))
+    one = (s0 * 0.5).clone()
+    gdn_advance(one, k, u, decay, n)
+    assert torch.equal(view[1], one)
+
+
+def test_request_bits_do_not_depend_on_the_batch() -> None:
+    s0, q, k, v, beta, ld = _inputs(4, 8, 2, 4, 32, 16, seed=2)
+    o, u, _ = reference_step(s0, q, k, v, beta, ld)
+    o1, u1, _ = reference_step(s0[2:3], q[2:3], k[2:3], v[2:3], beta[2:3], ld[2:3])
+    assert torch.equal(o1[0], o[2]) and torch.equal(u1[0], u[2])
+
+
+def test_bad_inputs_are_named() -> None:
+    s0, q, k, v, beta, ld = _inputs(2, 8, 2, 4, 32, 16, seed=3)
+    with pytest.raises(GdnInputError, match="1..16"):
+        big = _inputs(2, 17, 2, 4, 32, 16, seed=3)
+        gdn_step(*big)
+    with pytest.raises(GdnInputError, match="log_decay"):
+        gdn_step(s0, q, k, v, beta, ld.double())
+    with pytest.raises(GdnInputError, match="multiple of 4"):
+        gdn_step(s0[..., :6].contiguous(), q, k, v[..., :6], beta, ld)
+    with pytest.raises(GdnInputError, match="key heads"):
+        gdn_step(s0[:, :3].contiguous(), q, k, v[:, :, :3], beta[..., :3].contiguous(), ld[..., :3].contiguous())
+    with pytest.raises(GdnInputError, match="contiguous"):
+        gdn_step(s0, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, beta, ld)
+    with pytest.raises(GdnInputError, match="n must be"):
+        gdn_step(s0, q, k, v, beta, ld, commit=s0, n=torch.tensor([1, 2], dtype=torch.int32))
+    o, u, d = gdn_step(s0, q, k, v, beta, ld)
+    with pytest.raises(GdnInputError, match="advance takes"):
+        gdn_advance(s0, k, u, d[0], torch.tensor([1, 2]))
+
+
+# --------------------------------------------------------------------------- in the target model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    return tiny_fp32_target(tmp_path_factory.mktemp("tiny-hybrid-gdn"), CFG)
+
+
+def test_verify_rollback_equals_commit_bitwise(model: TargetModel) -> None:
+    """An armed 8-position forward rolled back to n[b] leaves exactly the GDN state (recurrent and
+    conv) of the same forward committing n[b] positions (num_new): one update expression."""
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, CFG.vocab_size, (3, 6), generator=g)
+    block = torch.randint(0, CFG.vocab_size, (3, 8), generator=g)
+    n = torch.tensor([1, 5, 8])
+    a, b = model.new_state(3, 32), model.new_state(3, 32)
+    for st in (a, b):
+        model(prompt, st)
+    la = model(block, a, num_new=n)
+    b.checkpoint(8)
+    lb = model(block, b)
+    b.rollback(b.lengths - 8 + n)
+    assert torch.equal(la, lb)
+    assert torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.ssm_all, b.ssm_all) and torch.equal(a.conv_all, b.conv_all)
+
+
+def test_prefill_of_a_short_prompt_is_one_token_steps(model: TargetModel) -> None:
+    """T <= 16 takes the sequential step: its state equals token-by-token forwards within FP32
+    rounding of the projections (the recurrence itself is exact, see above)."""
+    toks = torch.randint(0, CFG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    a, b = model.new_state(1, 16), model.new_state(1, 16)
+    model(toks, a)
+    for i in range(12):
+        model(toks[:, i:i + 1], b)
+    torch.testing.assert_close(a.ssm_all, b.ssm_all, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_greedy_prefills_all_but_the_last_token(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, ...]] = []
+    real = TargetModel.forward
+
+    def spy(self: TargetModel, tokens: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(tuple(tokens.shape))
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TargetModel, "forward", spy)
+    plain_greedy(model, list(range(7)), 3)
+    assert seen == [(1, 6), (1, 1), (1, 1), (1, 1)]
+    seen.clear()
+    plain_greedy(model, [3], 2)
+    assert seen == [(1, 1), (1, 1)]
+
+
+def test_invariant_target_prefills_each_request_alone(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (9, 1, 20, 4)]
+    oracle = [plain_greedy(model, p, 10) for p in prompts]
+    shapes: list[tuple[int, ...]] = []
+    real = TargetModel.forward
+
+    def spy(self: TargetModel, tokens: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("logits") is False:
+            shapes.append(tuple(tokens.shape))
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TargetModel, "forward", spy)
+    assert model.batch_invariant is False
+    out = SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=48).generate(prompts, SamplingParams(0.0), 10)
+    assert out == oracle and shapes == [(4, 19)]  # one right-padded batch
+    shapes.clear()
+    monkeypatch.setattr(model, "batch_invariant", True)
+    out = SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=48).generate(prompts, SamplingParams(0.0), 10)
+    assert out == oracle and shapes == [(1, 8), (1, 19), (1, 3)]  # alone, unpadded (the 1-token prompt: none)
+
+
+def test_readme_documents_the_family() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "templates/include/dflashgen/gdn.cuh" in readme and "`gdn_kernel.py`" in readme
