@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .host import tensor_on, to_device
 from .sampling import sample_categorical, target_probs
 from .spec_decode import RequestContext
 from .target import TargetModel
@@ -425,7 +426,7 @@ class DFlashDrafter:
                                    f"positions, needs {n} (observe() the target's tapped hidden states)")
         dev = m.device
         block = torch.full((len(contexts), cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long, device=dev)
+        block[:, 0] = tensor_on([c.tokens[-1] for c in contexts], dev, torch.long)
         like = torch.empty(0, device=dev)
         ctx = [self._cache[c.rid].view(cfg.num_layers, like, cfg.num_kv_heads, cfg.head_dim) for c in contexts]
         return m(block, start, ctx)
@@ -435,14 +436,14 @@ class DFlashDrafter:
         logits = self.draft_logits(contexts)
         dev = logits.device
         params = [c.params for c in contexts]
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
         tokens = logits.argmax(-1)
-        if bool(greedy.all()):
+        if all(p.greedy for p in params):
             return tokens, None  # verification ignores q for greedy requests
         q = target_probs(logits, params)  # greedy rows: one-hot (ignored)
         b, d, v = q.shape
-        u = torch.rand(b * d, generator=self.gen).to(dev)
+        u = to_device(torch.rand(b * d, generator=self.gen), dev)
         sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
+        greedy = tensor_on([p.greedy for p in params], dev)
         return torch.where(greedy[:, None], tokens, sampled), q
 
 
@@ -603,7 +604,7 @@ class StaticDFlashDrafter:
         slots = [self.slot_of[c.rid] for c in contexts]
         b = max(slots) + 1
         tok = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long)
-        self.block[torch.tensor(slots, device=self.block.device), 0] = tok.to(self.block.device)
+        self.block[tensor_on(slots, self.block.device), 0] = to_device(tok, self.block.device)
         if b in self._graphs:
             g, out = self._graphs[b]
             g.replay()
@@ -620,7 +621,7 @@ class StaticDFlashDrafter:
             return tokens, None  # verification ignores q for greedy requests
         q = target_probs(logits, params)
         b, d, v = q.shape
-        u = torch.rand(b * d, generator=self.gen).to(logits.device)
+        u = to_device(torch.rand(b * d, generator=self.gen), logits.device)
         sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy[:, None], tokens, sampled), q

@@ -24,6 +24,7 @@ import torch
 
 from .driver import current_stream
 from .driver import ptr_arg as _ptr
+from .host import tensor_on, to_device
 from .images import family_entries, load_module
 from .sampling import SamplingParams, Uniforms, VerifyResult
 
@@ -94,8 +95,8 @@ class CompactSampler:
         q = draft_probs.float().contiguous() if draft_probs is not None else None
         ov = accept_override.to(torch.uint8).contiguous() if accept_override is not None else None
         host = torch.tensor([[sp.temperature, sp.top_p] for sp in params], dtype=torch.float32)
-        temp, top_p = host.to(dev, non_blocking=True).unbind(1)
-        top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.int32).to(dev, non_blocking=True)
+        temp, top_p = to_device(host, dev).unbind(1)
+        top_k = tensor_on([sp.top_k for sp in params], dev, torch.int32)
         candidates = any(uses_candidates(sp.temperature, sp.top_k) for sp in params)
         accepted, tokens = self.launch(drafts.contiguous(), lg, q, temp.contiguous(), top_k, top_p.contiguous(),
                                        u.accept.contiguous(), u.sample.contiguous(), ov, candidates)

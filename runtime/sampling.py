@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host import tensor_on, to_device
+
 __all__ = ["FIXED_SCALE", "SamplingParams", "Uniforms", "VerifyResult", "sample_categorical", "target_probs",
            "target_weights", "verify"]
 
@@ -85,7 +87,7 @@ class Uniforms:
         accept = torch.rand((batch, num_drafts), generator=generator, device=gen_dev, dtype=torch.float32)
         sample = torch.rand((batch, num_drafts + 1), generator=generator, device=gen_dev, dtype=torch.float32)
         dev = gen_dev if device is None else device
-        return cls(accept.to(dev), sample.to(dev))
+        return cls(to_device(accept, dev), to_device(sample, dev))
 
     @classmethod
     def for_requests(
@@ -106,7 +108,7 @@ class Uniforms:
                 accept[i] = torch.rand(num_drafts, generator=g)
                 sample[i] = torch.rand(num_drafts + 1, generator=g)
         dev = torch.device("cpu") if device is None else device
-        return cls(accept.to(dev), sample.to(dev))
+        return cls(to_device(accept, dev), to_device(sample, dev))
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,9 @@ def _param_tensors(
     for i, sp in enumerate(params):
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-    temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=device)
-    top_k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=device)
-    top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=device)
+    temp = tensor_on([sp.temperature for sp in params], device, torch.float32)
+    top_k = tensor_on([sp.top_k for sp in params], device, torch.long)
+    top_p = tensor_on([sp.top_p for sp in params], device, torch.float32)
     return temp, top_k, top_p, temp == 0
 
 

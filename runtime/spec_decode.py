@@ -68,6 +68,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .graphs import DecodeGraphs
+from .host import to_device
 from .parallel import broadcast_from_first
 from .sampling import SamplingParams, Uniforms, VerifyResult, verify
 from .target import DecodeState, TargetModel
@@ -496,19 +497,20 @@ class SpecDecoder:
                 if r is not None:
                     pending[s, 0], base[s], row_params[s] = r.tokens[-1], len(r.tokens) - 1, r.params
                 unis.append(Uniforms.for_requests([row_params[s]], d, r.rounds if r else 0, gen))
-            u = Uniforms(torch.cat([x.accept for x in unis]).to(dev), torch.cat([x.sample for x in unis]).to(dev))
+            u = Uniforms(to_device(torch.cat([x.accept for x in unis]), dev),
+                         to_device(torch.cat([x.sample for x in unis]), dev))
             q_all = None
             if q is not None:  # empty slots: zero q is valid and ignored (they are greedy)
                 q_all = torch.zeros(b, d, q.shape[-1], dtype=q.dtype, device=dev)
-                q_all[idx.to(dev)] = q.to(dev)
+                q_all[to_device(idx, dev)] = q.to(dev)
             forced = None
             if self.synthetic_acceptance:  # benchmark only: the drafter decides sampled rows' accepts
                 forced = torch.zeros(b, d, dtype=torch.bool)
                 forced[idx] = self.drafter.accept_decisions(ctx).to("cpu", torch.bool)  # type: ignore[attr-defined]
-                forced = forced.to(dev)
+                forced = to_device(forced, dev)
             # TP: every rank feeds rank 0's drafts to the target (no-op without a process group).
-            draft_dev = broadcast_from_first(draft_all.to(dev), self.tp_group)
-            tokens = torch.cat([pending.to(dev), draft_dev], dim=1)
+            draft_dev = broadcast_from_first(to_device(draft_all, dev), self.tp_group)
+            tokens = torch.cat([to_device(pending, dev), draft_dev], dim=1)
             timer.stop("host", t0)
 
             t0 = timer.start("target")
@@ -522,14 +524,14 @@ class SpecDecoder:
             accepted_t, tokens_t = outcome[:, 0].cpu(), outcome[:, 1:].cpu()
             # Keep the pending token + the accepted drafts; the new token becomes pending.
             keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + accepted_t, 0)
-            self.steps.rollback(b, (base + keep).to(dev))
+            self.steps.rollback(b, to_device(base + keep, dev))
             timer.stop("sample", t0)
 
             if self.tap_drafter is not None:  # the kept positions: pending token + accepted drafts
                 t0 = timer.start("draft")
                 fused = _fuse(hidden, self.tap_drafter.taps)
                 if hasattr(self.tap_drafter, "observe_round"):  # static slots: one staged copy
-                    self.tap_drafter.observe_round(fused, base.to(dev), keep.to(dev))
+                    self.tap_drafter.observe_round(fused, to_device(base, dev), to_device(keep, dev))
                 else:
                     keep_l = keep.tolist()
                     for s in active:
