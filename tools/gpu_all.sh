@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything a GPU session proves, in two calls that each fit the 10-minute command limit, packed
 # into one archive per call (the device tool returns at most 8 files):
-#   PART=A OUT=... bash tools/gpu_all.sh   # build, verify (sm_90 + compute_70 PTX), overhead, tune,
-#                                          # bench, attn-bench; the new table is kept in /tmp/dfg
-#   PART=B ...                             # every GPU test (TP2 over NCCL when 2 GPUs) on that table
+#   PART=A OUT=... bash tools/gpu_all.sh   # build, verify (sm_90 + compute_70 PTX), tune, bench;
+#                                          # the new table is kept in /tmp/dfg
+#   PART=B ...                             # every GPU test (TP2 over NCCL when 2 GPUs) on that table,
+#                                          # overhead, attn-bench
 #   PART=C ...                             # the decode-loop endpoint benchmark on that table
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
@@ -19,13 +20,12 @@ use_table() {  # the table PART=A measured on this (still warm) machine
 case "${PART:-A}" in
 A)
   OUT=$R/session STEPS="build verify tune bench" bash tools/gpu_session.sh
-  cp "$R/session/nvidia-h200.json" /tmp/dfg/ 2>/dev/null
-  mkdir -p "$R/attn"
-  echo "== attn-bench"; timeout 240 dflashgen attn-bench --out "$R/attn" 2>&1 | tail -30 ;;
+  cp "$R/session/nvidia-h200.json" /tmp/dfg/ 2>/dev/null ;;
 B)
   use_table
   OUT=$R/session STEPS="build pytest overhead" bash tools/gpu_session.sh
-  echo "== prefill profile"; timeout 120 python3 tools/profile_prefill.py 2>&1 | tee "$R/prefill-profile.txt" | tail -45 ;;
+  mkdir -p "$R/attn"
+  echo "== attn-bench"; timeout 240 dflashgen attn-bench --out "$R/attn" 2>&1 | tail -30 ;;
 C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
