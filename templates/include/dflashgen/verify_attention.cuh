@@ -1,8 +1,11 @@
 // dflashgen: grouped verification attention over a paged KV cache (speculative decoding verify).
 //
-// One CTA = one (request, KV head, split of SPLIT tokens). Its ROWS = GROUP x QROWS query rows
-// (all query heads of the KV group, all verify positions of the request; row r = head r / QROWS,
-// position r % QROWS) are served by one pass over the split's K/V: tiles of TILE tokens are copied
+// One CTA = one (request, KV head, split of SPLIT tokens, row part). The KV group's ROWS_ALL =
+// GROUP x QROWS query rows (all query heads of the group, all verify positions of the request; row
+// r = head r / QROWS, position r % QROWS) are cut into HS parts of ROWS rows, one CTA each (HS > 1
+// reads the split's K/V once per part, the repeats from L2: more CTAs when requests are few and
+// short; a row's arithmetic is the same for any HS). A CTA makes one pass over the split's K/V: the
+// split's page ids are staged in shared memory once, then tiles of TILE tokens are copied
 // into shared memory (cp.async with STAGES in flight on sm_80+, plain copies on sm_70), FP8 tiles
 // are decoded exactly to FP16 there, and each warp owns 16 rows of one of KVG token groups:
 //   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
@@ -233,7 +236,8 @@ struct VerifyAttention {
   // KVG token groups of RWARPS warps each: group g takes tile g of every stage of KVG tiles, with its
   // own softmax state; the groups' states are combined in group order at the end of the split.
   static constexpr int KVG = Cfg::KVG, TT = T * KVG;
-  static constexpr int ROWS = GROUP * QROWS, RWARPS = ROWS / 16, WARPS = RWARPS * KVG, THREADS = 32 * WARPS;
+  static constexpr int HS = Cfg::HS, ROWS_ALL = GROUP * QROWS, ROWS = ROWS_ALL / HS;  // rows per CTA
+  static constexpr int RWARPS = ROWS / 16, WARPS = RWARPS * KVG, THREADS = 32 * WARPS;
   static constexpr bool FP8 = Cfg::KV != KvType::FP16;
   static constexpr int KV_BYTES = FP8 ? 1 : 2;
   static constexpr int CH = D / 8;                   // 16-byte chunks per FP16 row
@@ -241,7 +245,7 @@ struct VerifyAttention {
   static constexpr int S_LD = T + 4, P_LD = T + 8;  // padded rows: conflict-free softmax / ldmatrix
   static constexpr int NACC = Mma::acc_n(D);
   static constexpr int ACC_E = 128 / NACC;  // elements per accumulator N tile (16 rows x D / 32 lanes)
-  static_assert(ROWS % 16 == 0, "query rows per KV group must fill 16-row MMA tiles");
+  static_assert(ROWS_ALL % HS == 0 && ROWS % 16 == 0, "each CTA's query rows must fill 16-row MMA tiles");
   static_assert(SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
   static_assert(D * 16 / 32 == 128, "accumulator layout assumes D = 256");  // 16 rows x D floats / 32 lanes
@@ -254,10 +258,13 @@ struct VerifyAttention {
   static constexpr int S_BYTES = WARPS * 16 * S_LD * 4;
   static constexpr int P_BYTES = WARPS * 16 * P_LD * 2;
   static constexpr int A_BYTES = WARPS * 16 * 4;
-  static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES;
-  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle stage buffers.
+  // The split's page ids (a split of SPLIT tokens from a multiple of SPLIT touches at most this many).
+  static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
+  static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
+  static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES + TB_BYTES;
+  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle Q and stage buffers.
   static constexpr int X_FLOATS = (KVG - 1) * RWARPS * 128 * 32 + KVG * ROWS * 2;
-  static_assert(X_FLOATS * 4 <= RAW_BYTES + CVT_BYTES, "group combine buffer exceeds the stage buffers");
+  static_assert(X_FLOATS * 4 <= Q_BYTES + RAW_BYTES + CVT_BYTES, "group combine buffer exceeds Q + stages");
 
   __device__ static void copy16(void* dst, const char* src, bool ok) {
     if constexpr (Mma::ASYNC_COPY) {
@@ -277,9 +284,11 @@ struct VerifyAttention {
   // Valid request? (its length covers the query rows and fits the block table)
   __device__ static bool length_ok(int len, int nq, int capacity) { return len >= nq && len <= capacity; }
 
-  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`.
-  __device__ static void load_tile(char* raw, int t0, int end, const int* table, int num_blocks, const char* kb,
-                                   const char* vb, long long block_stride, int kh, int* err) {
+  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`. `pages`:
+  // the split's page ids from page pg0 on, staged in shared memory (-1: out of range, already flagged),
+  // so no copy waits on a dependent global load of the block table.
+  __device__ static void load_tile(char* raw, int t0, int end, const int* pages, int pg0, const char* kb,
+                                   const char* vb, long long block_stride, int kh) {
     constexpr int N = 2 * TT * RAW_CH;
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < N; idx += THREADS) {
@@ -288,13 +297,9 @@ struct VerifyAttention {
       bool ok = pos < end;
       long long off = 0;
       if (ok) {
-        const int blk = __ldg(table + pos / PAGE);
-        if (blk < 0 || blk >= num_blocks) {
-          atomicOr(err, ATTN_ERR_PAGE);
-          ok = false;
-        } else {
-          off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c;
-        }
+        const int blk = pages[pos / PAGE - pg0];
+        ok = blk >= 0;
+        if (ok) off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c;
       }
       copy16(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c), (which ? vb : kb) + off, ok);
     }
@@ -318,16 +323,17 @@ struct VerifyAttention {
     }
   }
 
-  // Grid (max_splits, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory.
+  // Grid (max_splits x HS, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory. The HS
+  // parts of a split are adjacent in x, so they run together and share its K/V through L2.
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
                              float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem) {
-    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x / HS, part = blockIdx.x % HS, kh = blockIdx.y, b = blockIdx.z;
     const int len = lengths[b];
     if (!length_ok(len, nq, table_stride * PAGE)) {
-      if (split == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
+      if (blockIdx.x == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
       return;
     }
     const int begin = split * SPLIT;
@@ -342,17 +348,29 @@ struct VerifyAttention {
     float* ss = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES) + warp * 16 * S_LD;
     __half* sp = reinterpret_cast<__half*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES) + warp * 16 * P_LD;
     float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + warp * 16;
+    int* spages = reinterpret_cast<int*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES);
+
+    // The split's page ids, checked once (bad ones flag the error and read as zeros).
+    const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
+    for (int i = threadIdx.x; i < npg; i += THREADS) {
+      int blk = __ldg(table + pg0 + i);
+      if (blk < 0 || blk >= num_blocks) {
+        atomicOr(err, ATTN_ERR_PAGE);
+        blk = -1;
+      }
+      spages[i] = blk;
+    }
+    __syncthreads();
 
     // Pipeline prologue first, so the K/V copies are in flight while Q is staged.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < tiles)
-        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, table, num_blocks, kpool, vpool, block_stride, kh,
-                  err);
+        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
       commit();
     }
     for (int idx = threadIdx.x; idx < ROWS * CH; idx += THREADS) {  // Q rows: zeros past nq
-      const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
+      const int r = idx / CH, c = idx % CH, rr = part * ROWS + r, i = rr % QROWS, h = kh * GROUP + rr / QROWS;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (i < nq) v = __ldg(reinterpret_cast<const uint4*>(q + ((static_cast<long long>(b) * nq + i) * HQ + h) * D) + c);
       *reinterpret_cast<uint4*>(sq + 8 * swz<CH>(r, c)) = v;
@@ -360,7 +378,7 @@ struct VerifyAttention {
 
     // Softmax state: lanes 2r and 2r + 1 both track row r of this warp (tokens split in halves).
     const int srow = lane >> 1, half = lane & 1;
-    const int qi = (16 * rw + srow) % QROWS;
+    const int qi = (part * ROWS + 16 * rw + srow) % QROWS;
     const int limit = qi < nq ? len - nq + qi : len - 1;  // last visible position of this row
     float m_run = -DFG_INF, l_run = 0.0f;
     float o[NACC][ACC_E];
@@ -371,8 +389,8 @@ struct VerifyAttention {
 
     for (int it = 0; it < tiles; ++it) {
       if (it + STAGES - 1 < tiles)
-        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, table,
-                  num_blocks, kpool, vpool, block_stride, kh, err);
+        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, spages,
+                  pg0, kpool, vpool, block_stride, kh);
       commit();
       wait<STAGES - 1>();
       __syncthreads();
@@ -428,25 +446,25 @@ struct VerifyAttention {
       __syncthreads();  // the stage (and the FP8 decode buffer) is refilled next
     }
     wait<0>();
-    if constexpr (KVG > 1) combine_groups(reinterpret_cast<float*>(sraw), grp, rw, lane, srow, half, m_run, l_run, o);
+    if constexpr (KVG > 1) combine_groups(reinterpret_cast<float*>(smem), grp, rw, lane, srow, half, m_run, l_run, o);
     if (grp > 0) return;
 
     // Partial results of this split: unnormalised O, and (max, sum) per row (max in log2 units).
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
-    float* po = part_o + slot * ROWS * D;
+    float* po = part_o + (slot * ROWS_ALL + part * ROWS) * D;
 #pragma unroll
     for (int n = 0; n < NACC; ++n)
 #pragma unroll
       for (int e = 0; e < ACC_E; ++e) po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(n, e)] = o[n][e];
     if (half == 0) {
-      float* pml = part_ml + (slot * ROWS + 16 * rw + srow) * 2;
+      float* pml = part_ml + (slot * ROWS_ALL + part * ROWS + 16 * rw + srow) * 2;
       pml[0] = m_run;
       pml[1] = l_run;
     }
   }
 
-  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (the stage buffers, idle
-  // after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, lane)
+  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (Q and the stage buffers,
+  // idle after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, lane)
   // holds the same accumulator elements for every g, so O travels by (rw, lane, element).
   __device__ static void combine_groups(float* x, int grp, int rw, int lane, int srow, int half, float& m_run,
                                         float& l_run, float (&o)[NACC][ACC_E]) {
@@ -494,7 +512,7 @@ struct VerifyAttention {
     l_run = l;
   }
 
-  // Grid (ROWS, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
+  // Grid (ROWS_ALL, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
   // Splits are combined in ascending order; out is FP32 [B, nq, HQ, D].
   __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
                                const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
@@ -509,17 +527,17 @@ struct VerifyAttention {
     } else {
       const int ns = (len + SPLIT - 1) / SPLIT;
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
-      const float* ml = part_ml + (slot0 * ROWS + r) * 2;
+      const float* ml = part_ml + (slot0 * ROWS_ALL + r) * 2;
       float mx = -DFG_INF;
 #pragma unroll 8  // independent loads in flight: the loop is latency-bound otherwise
-      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS * 2]);
+      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS_ALL * 2]);
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
       for (int s = 0; s < ns; ++s) {
-        const float w = exp2f(ml[s * ROWS * 2] - mx);  // split 0 holds position 0: mx is finite
-        den += ml[s * ROWS * 2 + 1] * w;
-        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS + r) * D + 4 * threadIdx.x);
+        const float w = exp2f(ml[s * ROWS_ALL * 2] - mx);  // split 0 holds position 0: mx is finite
+        den += ml[s * ROWS_ALL * 2 + 1] * w;
+        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS_ALL + r) * D + 4 * threadIdx.x);
         num.x += x.x * w;
         num.y += x.y * w;
         num.z += x.z * w;
