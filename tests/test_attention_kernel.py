@@ -32,7 +32,8 @@ def test_family_covers_every_target_once() -> None:
             assert s.key() not in defaults, f"two default schedules for {s.key()}"
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
-                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"sp{s.split}"):
+                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"ds{s.ds}",
+                     f"sp{s.split}"):
             assert f"_{part}_" in s.name + "_"
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
             for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
@@ -54,7 +55,8 @@ def test_render_is_deterministic_and_marked_generated() -> None:
 
 @pytest.mark.parametrize("change,match", [({"tile": 48}, "tile"), ({"d": 128}, "head_dim 256"),
                                           ({"hq": 5}, "multiple of 16"), ({"stages": 9}, "shared memory"),
-                                          ({"hs": 2}, "row parts"), ({"tile": 16, "kvg": 8}, "combine buffer")])
+                                          ({"hs": 2}, "row parts"), ({"tile": 16, "kvg": 8}, "combine buffer"),
+                                          ({"tile": 16, "ds": 2}, "D split")])
 def test_schedule_rejects_illegal_kernels(change, match) -> None:
     base = dict(arch=90, hq=6, hkv=1, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=256)
     with pytest.raises(af.AttnScheduleError, match=match):
@@ -70,6 +72,26 @@ def test_kernel_compiles_without_spills(arch, needles) -> None:
     assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
     ptx = res.artifacts[name].ptx.read_text()
     assert all(n in ptx for n in needles) and f"{name}_merge" in ptx
+
+
+def test_work_placement_knobs_compile_on_sm70(tmp_path) -> None:
+    """Row parts, the D split (named team barriers) and token groups together on the m8n8k4 path (no
+    committed sm_70 kernel uses them): NVRTC 12 -> compute_70 PTX -> ptxas, no spills."""
+    import subprocess
+
+    from dflashgen.toolchain import nvrtc_compile, parse_ptxas_log, plan_for
+
+    spec = af.AttnSpec(70, 24, 4, 256, 8, "fp16", 16, tile=32, stages=1, split=512, kvg=2, hs=3, ds=2)
+    af.check(spec, 98304)
+    src, ptx = tmp_path / f"{spec.name}.cu", tmp_path / f"{spec.name}.ptx"
+    src.write_text(af.render(spec))
+    nvrtc_compile(src, ptx, 70)
+    text = ptx.read_text()
+    assert "mma.sync.aligned.m8n8k4" in text and "bar.sync 1, 64" in text
+    log = subprocess.run([plan_for(70).ptxas, "-v", "-arch=sm_70", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    r = parse_ptxas_log(log)[spec.name]
+    assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
 
 
 def test_fp8_decoders_are_exact() -> None:
