@@ -3,7 +3,7 @@ through templates/verify_attention.cu.j2 (registered in ``render.FAMILY_MODULES`
 
 Head counts come from the models and TP degrees in schedules/targets.yaml (query heads / TP; KV heads
 / TP, at least 1: a KV head is replicated when there are fewer than ranks). Names encode every
-parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_sp512``.
+parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_sp512``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from .render import FamilyKernel, _env, load_targets
 FAMILY = "attention"
 KV_DTYPES = ("fp16", "e5m2", "e4m3")
 KV_ENUM = {"fp16": "FP16", "e5m2": "E5M2", "e4m3": "E4M3"}
+# Shared memory per SM (bytes, CTA reservations included): the occupancy hint of D-split kernels.
+SM_SMEM = {70: 98304, 80: 167936, 90: 233472}
 MMA = {"m8n8k4": ("AttnSm70", "mma.sync.m8n8k4 / HMMA.884"), "m16n8k16": ("AttnSm80", "mma.sync.m16n8k16 / HMMA.16816")}
 
 
@@ -37,30 +39,49 @@ class AttnSpec:
     stages: int
     split: int
     kvg: int = 1  # token groups of warps per CTA (each a tile of every stage)
+    hs: int = 1  # CTAs per (request, KV head, split), each a part of the group's query rows
+    ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
-                f"_t{self.tile}_st{self.stages}_g{self.kvg}_sp{self.split}")
+                f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}_sp{self.split}")
 
     @property
     def rows(self) -> int:
+        """Query rows per (request, KV head): the merge's and the workspace's row count."""
         return self.hq // self.hkv * self.qrows
 
     @property
+    def cta_rows(self) -> int:
+        return self.rows // self.hs
+
+    @property
     def threads(self) -> int:
-        return 32 * (self.rows // 16) * self.kvg
+        return 32 * (self.cta_rows // 16) * self.kvg * self.ds
+
+    @property
+    def min_blocks(self) -> int:
+        """`__launch_bounds__` min-blocks hint: D-split kernels ask for the CTAs that shared memory allows,
+        so ptxas keeps the (halved) registers to what those CTAs' warps leave; others keep 1."""
+        return 1 if self.ds == 1 else max(1, self.ctas_per_sm(SM_SMEM[self.arch]))
 
     @property
     def smem(self) -> int:
         """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM; the template asserts it)."""
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
-        warps = self.rows // 16 * self.kvg
-        return (self.rows * self.d * 2 + self.stages * 2 * tt * self.d * kv_bytes
+        teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
+        pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids
+        return (self.cta_rows * self.d * 2 + self.stages * 2 * tt * self.d * kv_bytes
                 + (0 if self.kv == "fp16" else 2 * tt * self.d * 2)
-                + warps * 16 * (self.tile + 4) * 4 + warps * 16 * (self.tile + 8) * 2 + warps * 16 * 4)
+                + teams * 16 * (self.tile + 4) * 4 + teams * 16 * (self.tile + 8) * 2 + teams * 16 * 4
+                + (pages * 4 + 15) // 16 * 16)
+
+    def ctas_per_sm(self, smem_per_sm: int = 233472, reserved: int = 1024) -> int:
+        """Resident CTAs per SM by shared memory (sm_90: 228 KB per SM, 1 KB reserved per CTA)."""
+        return smem_per_sm // (self.smem + reserved)
 
     def key(self) -> tuple[int, int, int, int, int, str, int]:
         """What the runtime dispatches on (everything but the schedule)."""
@@ -69,7 +90,8 @@ class AttnSpec:
     def meta(self) -> dict[str, Any]:
         m = asdict(self)
         m["serves"] = list(self.serves)
-        m.update(threads=self.threads, smem=self.smem, rows=self.rows)
+        m.update(threads=self.threads, smem=self.smem, rows=self.rows, cta_rows=self.cta_rows,
+                 min_blocks=self.min_blocks)
         return m
 
 
@@ -99,11 +121,20 @@ def target_heads() -> dict[tuple[int, int, int], set[str]]:
 def check(spec: AttnSpec, smem_limit: int) -> None:
     if spec.hq % spec.hkv or spec.rows % 16:
         raise AttnScheduleError(f"{spec.name}: query rows per KV group ({spec.rows}) must be a multiple of 16")
+    if spec.hs < 1 or spec.rows % (16 * spec.hs):
+        raise AttnScheduleError(f"{spec.name}: {spec.hs} row parts of {spec.rows} rows must each be a multiple of 16")
     if spec.d != 256:
         raise AttnScheduleError(f"{spec.name}: the kernel's accumulator layout is written for head_dim 256")
+    if spec.ds not in (1, 2, 4) or spec.tile % (16 * spec.ds) or (spec.ds > 1 and spec.threads // 32 // spec.ds > 15):
+        raise AttnScheduleError(f"{spec.name}: the D split needs tile % (16 x ds) == 0 and <= 15 warp teams")
     if spec.split % (spec.tile * spec.kvg) or spec.tile % 16 or spec.page & (spec.page - 1):
         raise AttnScheduleError(f"{spec.name}: split % (tile x groups), tile % 16 and a power-of-two page "
                                 "are required")
+    kv_bytes, tt = (2 if spec.kv == "fp16" else 1), spec.tile * spec.kvg
+    idle = (spec.cta_rows * spec.d * 2 + spec.stages * 2 * tt * spec.d * kv_bytes  # Q + stages (+ FP8 decode)
+            + (0 if spec.kv == "fp16" else 4 * tt * spec.d))
+    if ((spec.kvg - 1) * spec.cta_rows // 16 * 128 * 32 + spec.kvg * spec.cta_rows * 2) * 4 > idle:
+        raise AttnScheduleError(f"{spec.name}: the token groups' combine buffer exceeds the Q and stage buffers")
     if spec.smem > smem_limit:
         raise AttnScheduleError(f"{spec.name}: {spec.smem} B shared memory exceeds sm_{spec.arch}'s {smem_limit}")
 
@@ -116,7 +147,9 @@ def specs() -> list[AttnSpec]:
         split = int(sch["split_tokens"][hkv])
         for arch in archs:
             a = sch["archs"][arch]
-            variants = [(a["default"], True)] + [(v, False) for v in a.get("extra", [])]
+            # One served schedule per (arch, KV heads): `default_for` overrides `default` per KV-head count.
+            served = a.get("default_for", {}).get(hkv, a["default"])
+            variants = [(served, True)] + [(v, False) for v in a.get("extra", [])]
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
                     for var, default in variants:
@@ -124,10 +157,11 @@ def specs() -> list[AttnSpec]:
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
-                                        int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), default=default,
+                                        int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)),
+                                        ds=int(var.get("ds", 1)), default=default,
                                         serves=tuple(sorted(users)))
                         check(spec, int(a["smem_limit"]))
-                        out[spec.name] = spec
+                        out.setdefault(spec.name, spec)  # an extra equal to the served schedule stays default
     return [out[n] for n in sorted(out)]
 
 
@@ -137,7 +171,7 @@ def render(spec: AttnSpec) -> str:
         version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.arch, mma=mma_name,
         mma_struct=mma_struct, hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
         kv=spec.kv, kv_enum=KV_ENUM[spec.kv], page=spec.page, tile=spec.tile, stages=spec.stages, split=spec.split,
-        kvg=spec.kvg,
+        kvg=spec.kvg, hs=spec.hs, ds=spec.ds, min_blocks=spec.min_blocks,
         threads=spec.threads, smem=spec.smem, rows=spec.rows,
     )
 

@@ -147,6 +147,36 @@ def _us(x: float | None) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
 
 
+def race_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per head layout, each schedule over every measured (ctx, B): geometric-mean time relative to the
+    served default, worst point, points where it is the fastest schedule, points slower than the best
+    baseline, and its mean KV-roofline fraction at 16K. What promoting it to `default_for` would give."""
+    out = ["Schedule race (time / default's time: geomean, worst; wins; points slower than the best "
+           "baseline; mean % roofline at 16K):", "",
+           "| heads | schedule | geomean | worst | wins | slower than baseline | % roofline 16K |",
+           "|---|---|---|---|---|---|---|"]
+    for tag in sorted({r["heads"] for r in rows}):
+        rs = [r for r in rows if r["heads"] == tag]
+        names = sorted({n for r in rs for n in r["schedules"]})
+        stats = []
+        for n in names:
+            pts = [r for r in rs if r["schedules"].get(n)]
+            if not pts:
+                continue
+            ratios = [r["schedules"][n] / r["ours_us"] for r in pts]
+            base = [min(v for k in ("per_request_us", "sdpa_flash_us", "sdpa_efficient_us") if (v := r.get(k)))
+                    for r in pts]
+            wins = sum(1 for r in pts if r["schedules"][n] == min(r["schedules"].values()))
+            slow = sum(1 for r, b in zip(pts, base, strict=True) if r["schedules"][n] > b)
+            r16 = [r["roofline_us"] / r["schedules"][n] for r in pts if r["ctx"] == 16384]
+            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            stats.append((geo, n, max(ratios), wins, slow, len(pts), sum(r16) / len(r16) if r16 else math.nan))
+        for geo, n, worst, wins, slow, npts, f16 in sorted(stats):
+            out.append(f"| {tag} | `{n}` | {geo:.2f} | {worst:.2f} | {wins}/{npts} | {slow}/{npts} "
+                       f"| {100 * f16:.0f}% |")
+    return out
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Grouped verification attention on {rep['gpu']} (sm_{rep['kernel_arch']} kernels)", "",
              f"FP16 KV, page {rep['page']}, {rep['nq']} verify rows, head_dim {rep['head_dim']}; "
@@ -166,6 +196,7 @@ def markdown(rep: dict[str, Any]) -> str:
         vals = [f"{r['heads']}/{r['ctx']}/B{r['B']}: {_us(r['schedules'][n])}" for r in rep["rows"]
                 if n in r["schedules"]]
         lines.append(f"- `{n}`: " + ", ".join(vals))
+    lines += ["", *race_table(rep["rows"])]
     masks = {r.get("sdpa_flash_mask") for r in rep["rows"]} | {r.get("sdpa_efficient_mask") for r in rep["rows"]}
     errs = {r.get(k) for r in rep["rows"] for k in ("sdpa_flash_error", "sdpa_efficient_error") if r.get(k)}
     lines += ["", f"SDPA masks used: {sorted(m for m in masks if m)}; errors: {sorted(errs) or 'none'}", ""]

@@ -258,7 +258,7 @@ def paged_verify_attention(
     err = _err_flag(idx)
     vp = ctypes.c_void_p
     fn.main.launch(
-        (max_splits, hkv, nb), (entry["threads"], 1, 1),
+        (max_splits * int(entry.get("hs", 1)), hkv, nb), (entry["threads"], 1, 1),  # hs row parts per split
         [vp(qh.data_ptr()), ctypes.c_int(nq), vp(k_pool.data_ptr()), vp(v_pool.data_ptr()),
          ctypes.c_longlong(k_pool.stride(0)), ctypes.c_int(num_blocks), vp(block_tables.data_ptr()),
          ctypes.c_int(block_tables.stride(0)), vp(lengths.data_ptr()),

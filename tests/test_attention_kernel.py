@@ -32,13 +32,14 @@ def test_family_covers_every_target_once() -> None:
             assert s.key() not in defaults, f"two default schedules for {s.key()}"
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
-                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"sp{s.split}"):
+                     f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"ds{s.ds}",
+                     f"sp{s.split}"):
             assert f"_{part}_" in s.name + "_"
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
             for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
     assert set(defaults) == want
     assert all("qwen3.8-27b/tp" in u for s in specs for u in s.serves)
-    assert len(specs) <= 48, "keep the family's build small"
+    assert len(specs) <= 72, "keep the family's build small"
     # The runtime picks exactly the default, and only by name otherwise.
     for hq, hkv in TARGET_HEADS:
         e = select_kernel(90, hq, hkv, 256, "fp16", 16)
@@ -53,7 +54,9 @@ def test_render_is_deterministic_and_marked_generated() -> None:
 
 
 @pytest.mark.parametrize("change,match", [({"tile": 48}, "tile"), ({"d": 128}, "head_dim 256"),
-                                          ({"hq": 5}, "multiple of 16"), ({"stages": 9}, "shared memory")])
+                                          ({"hq": 5}, "multiple of 16"), ({"stages": 9}, "shared memory"),
+                                          ({"hs": 2}, "row parts"), ({"tile": 16, "kvg": 8}, "combine buffer"),
+                                          ({"tile": 16, "ds": 2}, "D split")])
 def test_schedule_rejects_illegal_kernels(change, match) -> None:
     base = dict(arch=90, hq=6, hkv=1, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=256)
     with pytest.raises(af.AttnScheduleError, match=match):
@@ -69,6 +72,26 @@ def test_kernel_compiles_without_spills(arch, needles) -> None:
     assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
     ptx = res.artifacts[name].ptx.read_text()
     assert all(n in ptx for n in needles) and f"{name}_merge" in ptx
+
+
+def test_work_placement_knobs_compile_on_sm70(tmp_path) -> None:
+    """Row parts, the D split (named team barriers) and token groups together on the m8n8k4 path (no
+    committed sm_70 kernel uses them): NVRTC 12 -> compute_70 PTX -> ptxas, no spills."""
+    import subprocess
+
+    from dflashgen.toolchain import nvrtc_compile, parse_ptxas_log, plan_for
+
+    spec = af.AttnSpec(70, 24, 4, 256, 8, "fp16", 16, tile=32, stages=1, split=512, kvg=2, hs=3, ds=2)
+    af.check(spec, 98304)
+    src, ptx = tmp_path / f"{spec.name}.cu", tmp_path / f"{spec.name}.ptx"
+    src.write_text(af.render(spec))
+    nvrtc_compile(src, ptx, 70)
+    text = ptx.read_text()
+    assert "mma.sync.aligned.m8n8k4" in text and "bar.sync 1, 64" in text
+    log = subprocess.run([plan_for(70).ptxas, "-v", "-arch=sm_70", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    r = parse_ptxas_log(log)[spec.name]
+    assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
 
 
 def test_fp8_decoders_are_exact() -> None:
@@ -174,11 +197,12 @@ def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.Att
     return out
 
 
-@pytest.mark.parametrize("dtype,kvg", [(torch.float16, 1), (torch.float8_e5m2, 1), (torch.float8_e4m3fn, 1),
-                                       (torch.float16, 2)])
+@pytest.mark.parametrize("dtype,kvg,tile", [(torch.float16, 1, 32), (torch.float8_e5m2, 1, 32),
+                                            (torch.float8_e4m3fn, 1, 32), (torch.float16, 2, 32),
+                                            (torch.float16, 2, 16)])
 @pytest.mark.parametrize("nq", [8, 3])
-def test_kernel_algorithm_matches_reference(dtype, kvg, nq) -> None:
-    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=32, stages=2, split=64 * kvg, kvg=kvg)
+def test_kernel_algorithm_matches_reference(dtype, kvg, tile, nq) -> None:
+    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=tile, stages=2, split=2 * tile * kvg, kvg=kvg)
     scales = {"k_scale": 0.05, "v_scale": 0.02} if dtype != torch.float16 else {}
     cache = PagedKVCache(128, 4, 1, 256, max_requests=4, max_blocks_per_request=64, dtype=dtype, **scales)
     g = torch.Generator().manual_seed(0)
@@ -391,11 +415,15 @@ def test_bench_markdown_renders_a_report() -> None:
     row = {"heads": "tp4", "hq": 6, "hkv": 1, "ctx": 1024, "B": 2, "ours_us": 10.0, "roofline_frac": 0.5,
            "best_schedule_frac": 0.6, "per_request_us": 12.0, "sdpa_flash_us": 11.0, "sdpa_flash_mask": "causal",
            "sdpa_efficient_us": None, "sdpa_efficient_error": "no GQA", "best_baseline": "sdpa_flash_us",
-           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0}}
+           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0, "dfg_attn_y": 12.5}}
+    row16 = {**row, "ctx": 16384, "roofline_us": 5.0}
     md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
-                   "seconds": 30.0, "rows": [row]})
+                   "seconds": 30.0, "rows": [row, row16]})
     assert "| tp4 (6/1) | 1024 | 2 | 10.0 | 50% | 60% | 12.0 | 11.0 | n/a | sdpa_flash_us | x1.10 |" in md
     assert "no GQA" in md and "`dfg_attn_x`" in md
+    # The race summary: y is 1.25x the default at both points, slower than SDPA flash (11 us) at both.
+    assert "| tp4 | `dfg_attn_x` | 1.00 | 1.00 | 2/2 | 0/2 | 50% |" in md
+    assert "| tp4 | `dfg_attn_y` | 1.25 | 1.25 | 0/2 | 2/2 | 40% |" in md
 
 
 class _Recorder:

@@ -220,3 +220,27 @@ def test_benchmark_schedules_match_too() -> None:
     for e in extra:
         case = Case([1000, 5000, 1], e["hq"], e["hkv"], torch.float16, e["page"], False, seed=3)
         case.check(case.run(kernel=e["name"]))
+
+
+def test_schedules_differing_only_in_work_placement_agree_bitwise() -> None:
+    """Stages, row parts (hs) and the D split (ds) only move the same per-element arithmetic between
+    pipeline slots, CTAs and warps: all schedules with one (tile, token groups, split) give equal bits,
+    with nq = 8 and nq = 3 rows, over contexts that end mid-tile and mid-split."""
+    from dflashgen.runtime.attention_kernel import attention_entries, kernel_arch
+
+    arch = kernel_arch(torch.device("cuda"))
+    groups: dict[tuple, list[dict]] = {}
+    for e in attention_entries():
+        if e["arch"] == arch and e["kv"] == "fp16" and e["page"] == 16:
+            groups.setdefault((e["hq"], e["hkv"], e["tile"], e["kvg"], e["split"]), []).append(e)
+    checked = 0
+    for (hq, hkv, *_), es in sorted(groups.items()):
+        if len(es) < 2:
+            continue
+        for nq in (8, 3):
+            case = Case([1000, 5000, 1, 130], hq, hkv, torch.float16, 16, False, nq=nq, seed=7)
+            ref = case.run(kernel=es[0]["name"])
+            for e in es[1:]:
+                assert torch.equal(case.run(kernel=e["name"]), ref), f"{e['name']} != {es[0]['name']}"
+                checked += 1
+    assert checked > 0

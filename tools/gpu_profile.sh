@@ -21,9 +21,13 @@ for km in ${KERNELS:-"nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r8_nt2_wn2_st3_xa1_mb
   timeout 90 $NCU -k "regex:$1" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$1" "$2" --sass \
     > "$R/ncu-$1-m$2.txt" 2>&1; tail -5 "$R/ncu-$1-m$2.txt"
 done
-echo "== ncu attention 16K B4 tp1"
-timeout 150 $NCU -k "regex:dfg_attn" --launch-skip 5 --launch-count 1 \
-  dflashgen attn-bench --contexts 16384 --batches 4 --heads tp1 --out "$R/attn" > "$R/ncu-attn.txt" 2>&1
-tail -5 "$R/ncu-attn.txt"
+# The main kernels ("$" keeps `_merge` out): the served default and its D-split twin (same bits).
+for k in ${ATTN_KERNELS:-dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_sp512 \
+  dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds2_sp512}; do
+  echo "== ncu $k 16K B4 tp1"
+  timeout 150 $NCU -k "regex:^$k\$" --launch-skip 2 --launch-count 1 \
+    dflashgen attn-bench --contexts 16384 --batches 4 --heads tp1 --out "$R/attn" > "$R/ncu-$k.txt" 2>&1
+  tail -5 "$R/ncu-$k.txt"
+done
 echo "== decode profile"
 timeout 300 python3 tools/profile_decode.py --batches 1 8 --trace "$R/trace" 2>&1 | tee "$R/profile-decode.txt" | tail -150

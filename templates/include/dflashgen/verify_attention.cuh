@@ -1,8 +1,11 @@
 // dflashgen: grouped verification attention over a paged KV cache (speculative decoding verify).
 //
-// One CTA = one (request, KV head, split of SPLIT tokens). Its ROWS = GROUP x QROWS query rows
-// (all query heads of the KV group, all verify positions of the request; row r = head r / QROWS,
-// position r % QROWS) are served by one pass over the split's K/V: tiles of TILE tokens are copied
+// One CTA = one (request, KV head, split of SPLIT tokens, row part). The KV group's ROWS_ALL =
+// GROUP x QROWS query rows (all query heads of the group, all verify positions of the request; row
+// r = head r / QROWS, position r % QROWS) are cut into HS parts of ROWS rows, one CTA each (HS > 1
+// reads the split's K/V once per part, the repeats from L2: more CTAs when requests are few and
+// short; a row's arithmetic is the same for any HS). A CTA makes one pass over the split's K/V: the
+// split's page ids are staged in shared memory once, then tiles of TILE tokens are copied
 // into shared memory (cp.async with STAGES in flight on sm_80+, plain copies on sm_70), FP8 tiles
 // are decoded exactly to FP16 there, and each warp owns 16 rows of one of KVG token groups:
 //   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
@@ -102,14 +105,15 @@ struct AttnSm80 {
   __device__ static int acc_row(int /*n*/, int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
   __device__ static int acc_col(int n, int e) { return 8 * n + 2 * (threadIdx.x & 3) + (e & 1); }
 
-  // O[16 x D] = O * alpha[row] + P[16 x T] . V[T x D]; P row-major FP16 (row stride P_LD halves).
-  template <int T, int D, int P_LD>
-  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[D / 8][4]) {
+  // O[16 x cols] = O * alpha[row] + P[16 x T] . V[T x cols]; P row-major FP16 (row stride P_LD halves).
+  // The warp's columns: accumulator N tiles n0 .. n0 + NN - 1 (all D / 8 of them, or a part).
+  template <int T, int D, int P_LD, int NN>
+  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[NN][4], int n0) {
     constexpr int CH = D / 8;
     const int lane = threadIdx.x & 31;
     const float al0 = alpha[lane >> 2], al1 = alpha[(lane >> 2) + 8];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < NN; ++n) {
       o[n][0] *= al0;
       o[n][1] *= al0;
       o[n][2] *= al1;
@@ -123,9 +127,9 @@ struct AttnSm80 {
       ldsm_x4(pb + 2 * (prow * P_LD + 16 * ks + 8 * (lane >> 4)), a0, a1, a2, a3);
       const int tok = 16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
+      for (int j = 0; j < NN / 2; ++j) {
         u32 b0, b1, b2, b3;
-        ldsm_x4_t(vb + 16 * swz<CH>(tok, 2 * j + (lane >> 4)), b0, b1, b2, b3);
+        ldsm_x4_t(vb + 16 * swz<CH>(tok, n0 + 2 * j + (lane >> 4)), b0, b1, b2, b3);
         mma(o[2 * j], a0, a1, a2, a3, b0, b1);
         mma(o[2 * j + 1], a0, a1, a2, a3, b2, b3);
       }
@@ -186,15 +190,15 @@ struct AttnSm70 {
   __device__ static int acc_row(int /*n*/, int e) { return 8 * (qp() & 1) + c_row(e); }
   __device__ static int acc_col(int n, int e) { return 8 * ((qp() >> 1) + 2 * n) + c_col(e); }
 
-  template <int T, int D, int P_LD>
-  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[D / 16][8]) {
+  template <int T, int D, int P_LD, int NN>
+  __device__ static void pv(const __half* sp, const __half* sv, const float* alpha, float (&o)[NN][8], int n0) {
     constexpr int CH = D / 8;
     const int i = qthread(), rb = qp() & 1, db0 = qp() >> 1;
     float al[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) al[e] = alpha[8 * rb + c_row(e)];
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n)
+    for (int n = 0; n < NN; ++n)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[n][e] *= al[e];
 #pragma unroll 2
@@ -202,8 +206,8 @@ struct AttnSm70 {
       const uint2 a = *reinterpret_cast<const uint2*>(sp + (8 * rb + i) * P_LD + 4 * kt);
       const int tok = 4 * kt + (i & 3);
 #pragma unroll
-      for (int n = 0; n < D / 16; ++n) {
-        const uint2 b = ld4<CH>(sv, tok, 8 * (db0 + 2 * n) + 4 * (i >> 2));
+      for (int n = 0; n < NN; ++n) {
+        const uint2 b = ld4<CH>(sv, tok, 8 * (db0 + 2 * (n0 + n)) + 4 * (i >> 2));
         cute::SM70_8x8x4_F32F16F16F32_TT::fma(o[n][0], o[n][1], o[n][2], o[n][3], o[n][4], o[n][5], o[n][6], o[n][7],
                                               a.x, a.y, b.x, b.y, o[n][0], o[n][1], o[n][2], o[n][3], o[n][4],
                                               o[n][5], o[n][6], o[n][7]);
@@ -233,15 +237,23 @@ struct VerifyAttention {
   // KVG token groups of RWARPS warps each: group g takes tile g of every stage of KVG tiles, with its
   // own softmax state; the groups' states are combined in group order at the end of the split.
   static constexpr int KVG = Cfg::KVG, TT = T * KVG;
-  static constexpr int ROWS = GROUP * QROWS, RWARPS = ROWS / 16, WARPS = RWARPS * KVG, THREADS = 32 * WARPS;
+  static constexpr int HS = Cfg::HS, ROWS_ALL = GROUP * QROWS, ROWS = ROWS_ALL / HS;  // rows per CTA
+  // DS warps share a (16-row block, token group) team: QK over T / DS tokens each, softmax by the
+  // team's first warp, PV over D / DS columns each. Every S, P and O element is computed by the same
+  // instructions in the same order for any DS: the bits do not depend on DS. DS > 1 halves the
+  // O registers per thread (the 128-register FP32 accumulator caps a CTA pair at 8 warps per SM).
+  static constexpr int DS = Cfg::DS;
+  static constexpr int RWARPS = ROWS / 16, TEAMS = RWARPS * KVG, WARPS = TEAMS * DS, THREADS = 32 * WARPS;
   static constexpr bool FP8 = Cfg::KV != KvType::FP16;
   static constexpr int KV_BYTES = FP8 ? 1 : 2;
   static constexpr int CH = D / 8;                   // 16-byte chunks per FP16 row
   static constexpr int RAW_CH = D * KV_BYTES / 16;   // 16-byte chunks per stored row
   static constexpr int S_LD = T + 4, P_LD = T + 8;  // padded rows: conflict-free softmax / ldmatrix
-  static constexpr int NACC = Mma::acc_n(D);
-  static constexpr int ACC_E = 128 / NACC;  // elements per accumulator N tile (16 rows x D / 32 lanes)
-  static_assert(ROWS % 16 == 0, "query rows per KV group must fill 16-row MMA tiles");
+  static constexpr int NACC = Mma::acc_n(D) / DS;  // accumulator N tiles per thread (its D / DS columns)
+  static constexpr int ACC_E = 128 / Mma::acc_n(D);  // elements per N tile (16 rows x D / 32 lanes)
+  static_assert(T % (16 * DS) == 0 && Mma::acc_n(D) % (2 * DS) == 0, "D split: 16-token QK and 16-column PV units");
+  static_assert(DS == 1 || TEAMS < 16, "one named barrier per team (ids 1..15)");
+  static_assert(ROWS_ALL % HS == 0 && ROWS % 16 == 0, "each CTA's query rows must fill 16-row MMA tiles");
   static_assert(SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
   static_assert(D * 16 / 32 == 128, "accumulator layout assumes D = 256");  // 16 rows x D floats / 32 lanes
@@ -251,13 +263,16 @@ struct VerifyAttention {
   static constexpr int RAW_TILE = TT * D * KV_BYTES;              // one of K or V of a stage, as stored
   static constexpr int RAW_BYTES = STAGES * 2 * RAW_TILE;
   static constexpr int CVT_BYTES = FP8 ? 2 * TT * D * 2 : 0;      // decoded FP16 K and V
-  static constexpr int S_BYTES = WARPS * 16 * S_LD * 4;
-  static constexpr int P_BYTES = WARPS * 16 * P_LD * 2;
-  static constexpr int A_BYTES = WARPS * 16 * 4;
-  static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES;
-  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle stage buffers.
+  static constexpr int S_BYTES = TEAMS * 16 * S_LD * 4;
+  static constexpr int P_BYTES = TEAMS * 16 * P_LD * 2;
+  static constexpr int A_BYTES = TEAMS * 16 * 4;
+  // The split's page ids (a split of SPLIT tokens from a multiple of SPLIT touches at most this many).
+  static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
+  static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
+  static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES + TB_BYTES;
+  // Group combine (KVG > 1): groups 1.. park O and (max, sum) in the then idle Q and stage buffers.
   static constexpr int X_FLOATS = (KVG - 1) * RWARPS * 128 * 32 + KVG * ROWS * 2;
-  static_assert(X_FLOATS * 4 <= RAW_BYTES + CVT_BYTES, "group combine buffer exceeds the stage buffers");
+  static_assert(X_FLOATS * 4 <= Q_BYTES + RAW_BYTES + CVT_BYTES, "group combine buffer exceeds Q + stages");
 
   __device__ static void copy16(void* dst, const char* src, bool ok) {
     if constexpr (Mma::ASYNC_COPY) {
@@ -274,12 +289,29 @@ struct VerifyAttention {
     if constexpr (Mma::ASYNC_COPY) asm volatile("cp.async.wait_group %0;" ::"n"(N));
   }
 
+  // The DS warps of a team: a warp barrier, or named barrier 1 + team over the team (immediate ids,
+  // so ptxas counts TEAMS + 1 barriers, not all 16).
+  template <int I = 0>
+  __device__ static void team_sync(int team) {
+    if constexpr (DS == 1) {
+      __syncwarp();
+    } else if constexpr (I < TEAMS) {
+      if (team == I) {
+        asm volatile("bar.sync %0, %1;" ::"n"(1 + I), "n"(32 * DS) : "memory");
+      } else {
+        team_sync<I + 1>(team);
+      }
+    }
+  }
+
   // Valid request? (its length covers the query rows and fits the block table)
   __device__ static bool length_ok(int len, int nq, int capacity) { return len >= nq && len <= capacity; }
 
-  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`.
-  __device__ static void load_tile(char* raw, int t0, int end, const int* table, int num_blocks, const char* kb,
-                                   const char* vb, long long block_stride, int kh, int* err) {
+  // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`. `pages`:
+  // the split's page ids from page pg0 on, staged in shared memory (-1: out of range, already flagged),
+  // so no copy waits on a dependent global load of the block table.
+  __device__ static void load_tile(char* raw, int t0, int end, const int* pages, int pg0, const char* kb,
+                                   const char* vb, long long block_stride, int kh) {
     constexpr int N = 2 * TT * RAW_CH;
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < N; idx += THREADS) {
@@ -288,13 +320,9 @@ struct VerifyAttention {
       bool ok = pos < end;
       long long off = 0;
       if (ok) {
-        const int blk = __ldg(table + pos / PAGE);
-        if (blk < 0 || blk >= num_blocks) {
-          atomicOr(err, ATTN_ERR_PAGE);
-          ok = false;
-        } else {
-          off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c;
-        }
+        const int blk = pages[pos / PAGE - pg0];
+        ok = blk >= 0;
+        if (ok) off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c;
       }
       copy16(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c), (which ? vb : kb) + off, ok);
     }
@@ -318,16 +346,17 @@ struct VerifyAttention {
     }
   }
 
-  // Grid (max_splits, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory.
+  // Grid (max_splits x HS, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory. The HS
+  // parts of a split are adjacent in x, so they run together and share its K/V through L2.
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
                              float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem) {
-    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x / HS, part = blockIdx.x % HS, kh = blockIdx.y, b = blockIdx.z;
     const int len = lengths[b];
     if (!length_ok(len, nq, table_stride * PAGE)) {
-      if (split == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
+      if (blockIdx.x == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
       return;
     }
     const int begin = split * SPLIT;
@@ -338,21 +367,34 @@ struct VerifyAttention {
     __half* sq = reinterpret_cast<__half*>(smem);
     char* sraw = smem + Q_BYTES;
     __half* scvt = reinterpret_cast<__half*>(sraw + RAW_BYTES);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = warp / RWARPS, rw = warp % RWARPS;
-    float* ss = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES) + warp * 16 * S_LD;
-    __half* sp = reinterpret_cast<__half*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES) + warp * 16 * P_LD;
-    float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + warp * 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, team = warp / DS, dh = warp % DS;
+    const int grp = team / RWARPS, rw = team % RWARPS;
+    float* ss = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES) + team * 16 * S_LD;
+    __half* sp = reinterpret_cast<__half*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES) + team * 16 * P_LD;
+    float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + team * 16;
+    int* spages = reinterpret_cast<int*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES);
+
+    // The split's page ids, checked once (bad ones flag the error and read as zeros).
+    const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
+    for (int i = threadIdx.x; i < npg; i += THREADS) {
+      int blk = __ldg(table + pg0 + i);
+      if (blk < 0 || blk >= num_blocks) {
+        atomicOr(err, ATTN_ERR_PAGE);
+        blk = -1;
+      }
+      spages[i] = blk;
+    }
+    __syncthreads();
 
     // Pipeline prologue first, so the K/V copies are in flight while Q is staged.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < tiles)
-        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, table, num_blocks, kpool, vpool, block_stride, kh,
-                  err);
+        load_tile(sraw + s * 2 * RAW_TILE, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
       commit();
     }
     for (int idx = threadIdx.x; idx < ROWS * CH; idx += THREADS) {  // Q rows: zeros past nq
-      const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
+      const int r = idx / CH, c = idx % CH, rr = part * ROWS + r, i = rr % QROWS, h = kh * GROUP + rr / QROWS;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (i < nq) v = __ldg(reinterpret_cast<const uint4*>(q + ((static_cast<long long>(b) * nq + i) * HQ + h) * D) + c);
       *reinterpret_cast<uint4*>(sq + 8 * swz<CH>(r, c)) = v;
@@ -360,7 +402,7 @@ struct VerifyAttention {
 
     // Softmax state: lanes 2r and 2r + 1 both track row r of this warp (tokens split in halves).
     const int srow = lane >> 1, half = lane & 1;
-    const int qi = (16 * rw + srow) % QROWS;
+    const int qi = (part * ROWS + 16 * rw + srow) % QROWS;
     const int limit = qi < nq ? len - nq + qi : len - 1;  // last visible position of this row
     float m_run = -DFG_INF, l_run = 0.0f;
     float o[NACC][ACC_E];
@@ -371,8 +413,8 @@ struct VerifyAttention {
 
     for (int it = 0; it < tiles; ++it) {
       if (it + STAGES - 1 < tiles)
-        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, table,
-                  num_blocks, kpool, vpool, block_stride, kh, err);
+        load_tile(sraw + ((it + STAGES - 1) % STAGES) * 2 * RAW_TILE, begin + (it + STAGES - 1) * TT, end, spages,
+                  pg0, kpool, vpool, block_stride, kh);
       commit();
       wait<STAGES - 1>();
       __syncthreads();
@@ -386,9 +428,9 @@ struct VerifyAttention {
       const __half* sv = sk + TT * D + grp * T * D;  // this group's tile (rows keep their swizzle: T % 8 == 0)
       sk += grp * T * D;
 
-      Mma::template qk<T, D, S_LD>(sq, 16 * rw, sk, qk_scale, ss);
-      __syncwarp();
-      {
+      Mma::template qk<T / DS, D, S_LD>(sq, 16 * rw, sk + dh * (T / DS) * D, qk_scale, ss + dh * (T / DS));
+      team_sync(team);
+      if (DS == 1 || dh == 0) {
         const int t0 = begin + it * TT + grp * T;
         constexpr int HALF = T / 2;
         float v[HALF];
@@ -423,43 +465,47 @@ struct VerifyAttention {
         m_run = m_new;
         if (half == 0) salpha[srow] = alpha;
       }
-      __syncwarp();
-      Mma::template pv<T, D, P_LD>(sp, sv, salpha, o);
+      team_sync(team);
+      Mma::template pv<T, D, P_LD, NACC>(sp, sv, salpha, o, dh * NACC);
       __syncthreads();  // the stage (and the FP8 decode buffer) is refilled next
     }
     wait<0>();
-    if constexpr (KVG > 1) combine_groups(reinterpret_cast<float*>(sraw), grp, rw, lane, srow, half, m_run, l_run, o);
+    if constexpr (KVG > 1)
+      combine_groups(reinterpret_cast<float*>(smem), grp, rw, dh, lane, srow, half, m_run, l_run, o);
     if (grp > 0) return;
 
     // Partial results of this split: unnormalised O, and (max, sum) per row (max in log2 units).
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
-    float* po = part_o + slot * ROWS * D;
+    float* po = part_o + (slot * ROWS_ALL + part * ROWS) * D;
 #pragma unroll
     for (int n = 0; n < NACC; ++n)
 #pragma unroll
-      for (int e = 0; e < ACC_E; ++e) po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(n, e)] = o[n][e];
-    if (half == 0) {
-      float* pml = part_ml + (slot * ROWS + 16 * rw + srow) * 2;
+      for (int e = 0; e < ACC_E; ++e)
+        po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(dh * NACC + n, e)] = o[n][e];
+    if (half == 0 && dh == 0) {  // the team's softmax warp holds the row state
+      float* pml = part_ml + (slot * ROWS_ALL + part * ROWS + 16 * rw + srow) * 2;
       pml[0] = m_run;
       pml[1] = l_run;
     }
   }
 
-  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (the stage buffers, idle
-  // after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, lane)
-  // holds the same accumulator elements for every g, so O travels by (rw, lane, element).
-  __device__ static void combine_groups(float* x, int grp, int rw, int lane, int srow, int half, float& m_run,
-                                        float& l_run, float (&o)[NACC][ACC_E]) {
-    float* xo = x;                                    // [KVG-1][RWARPS][128][32]
+  // Groups 1.. hand their (max, sum, O) to group 0 through shared memory (Q and the stage buffers,
+  // idle after the loop's last barrier); group 0 combines them in group order. Thread (g, rw, dh, lane)
+  // holds the same accumulator elements for every g, so O travels by (rw, dh, lane, element).
+  __device__ static void combine_groups(float* x, int grp, int rw, int dh, int lane, int srow, int half,
+                                        float& m_run, float& l_run, float (&o)[NACC][ACC_E]) {
+    constexpr int EL = NACC * ACC_E;                  // accumulator elements per thread
+    float* xo = x;                                    // [KVG-1][RWARPS][DS][EL][32]
     float* xml = x + (KVG - 1) * RWARPS * 128 * 32;   // [KVG][ROWS][2]
+    const int slot = rw * DS + dh;
     if (grp > 0) {
-      float* dst = xo + ((grp - 1) * RWARPS + rw) * 128 * 32 + lane;
+      float* dst = xo + ((grp - 1) * RWARPS * DS + slot) * EL * 32 + lane;
 #pragma unroll
       for (int n = 0; n < NACC; ++n)
 #pragma unroll
         for (int e = 0; e < ACC_E; ++e) dst[(n * ACC_E + e) * 32] = o[n][e];
     }
-    if (half == 0) {
+    if (half == 0 && dh == 0) {
       xml[(grp * ROWS + 16 * rw + srow) * 2] = m_run;
       xml[(grp * ROWS + 16 * rw + srow) * 2 + 1] = l_run;
     }
@@ -483,7 +529,8 @@ struct VerifyAttention {
         weights(16 * rw + Mma::acc_row(n, e), w);
         float v = o[n][e] * w[0];
 #pragma unroll
-        for (int g = 1; g < KVG; ++g) v += xo[((g - 1) * RWARPS + rw) * 128 * 32 + (n * ACC_E + e) * 32 + lane] * w[g];
+        for (int g = 1; g < KVG; ++g)
+          v += xo[((g - 1) * RWARPS * DS + slot) * EL * 32 + (n * ACC_E + e) * 32 + lane] * w[g];
         o[n][e] = v;
       }
     float w[KVG];
@@ -494,7 +541,7 @@ struct VerifyAttention {
     l_run = l;
   }
 
-  // Grid (ROWS, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
+  // Grid (ROWS_ALL, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
   // Splits are combined in ascending order; out is FP32 [B, nq, HQ, D].
   __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
                                const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
@@ -509,17 +556,17 @@ struct VerifyAttention {
     } else {
       const int ns = (len + SPLIT - 1) / SPLIT;
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
-      const float* ml = part_ml + (slot0 * ROWS + r) * 2;
+      const float* ml = part_ml + (slot0 * ROWS_ALL + r) * 2;
       float mx = -DFG_INF;
-#pragma unroll 8  // independent loads in flight: the loop is latency-bound otherwise
-      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS * 2]);
+#pragma unroll 16  // independent loads in flight: the grid gives ~12 warps/SM, so the loop is latency-bound
+      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS_ALL * 2]);
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
+#pragma unroll 16  // 16 float4 loads in flight per thread (ncu at 16K B4: 85% L1TEX stalls with 8)
       for (int s = 0; s < ns; ++s) {
-        const float w = exp2f(ml[s * ROWS * 2] - mx);  // split 0 holds position 0: mx is finite
-        den += ml[s * ROWS * 2 + 1] * w;
-        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS + r) * D + 4 * threadIdx.x);
+        const float w = exp2f(ml[s * ROWS_ALL * 2] - mx);  // split 0 holds position 0: mx is finite
+        den += ml[s * ROWS_ALL * 2 + 1] * w;
+        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS_ALL + r) * D + 4 * threadIdx.x);
         num.x += x.x * w;
         num.y += x.y * w;
         num.z += x.z * w;
