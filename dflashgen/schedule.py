@@ -33,7 +33,7 @@ class ArchSpace:
     arch: int
     mma: str
     sms: int
-    k_plan: dict[str, int]
+    k_plan: dict[str, Any]
     tiles: dict[str, list[int]]
     limits: dict[str, int]
     max_m: int
@@ -76,6 +76,7 @@ class Tile:
     stages: int
     min_blocks: int = 1  # __launch_bounds__ min blocks per SM: caps registers at 64K / (threads * it)
     x_ahead: int = 1  # 1: activations fetched one group ahead (two buffers); 0: at their group's top
+    x_smem: int = 0  # 1: the CTA stages each K stage's activations in shared memory once (cp.async)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class KernelSpec:
         kp, t = self.kplan, self.tile
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}"
-                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_mb{t.min_blocks}")
+                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -183,6 +184,51 @@ def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
     return KPlan(split_k=split_k, warps_k=warps_k, k_group=lay.k_group)
 
 
+def k_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
+    """Every K plan the tuner may choose from for (arch, format, N, K): the derived one first, then
+    split-K alternatives (`k_plan.alt_split_k`, warps_k of the derived plan or half of it) that the
+    cost model predicts within `alt_slack` of the derived plan's best at M = 8 or 16 (it cannot
+    rank them finer than that: the tuner measures), at most `max_alt_plans` of them, best first.
+    A function of (arch, format, N, K) only -- never of M -- so whichever plan the tuner picks
+    (once per problem, jointly over all M buckets) is shared by every tile."""
+    space = load_space(arch)
+    base = k_plan(arch, fmt, n, k)
+    lay = Layout(arch, fmt, n, k)
+    groups = k // lay.k_group
+    kp = space.k_plan
+    alts: list[tuple[float, KPlan]] = []
+    best_base = {m: _best_us(arch, fmt, n, k, base, m) for m in (8, 16)}
+    if (_imbalance(arch, fmt, n, k, base) < kp.get("alt_if_imbalance", 1.0)
+            or lay.n_pad // lay.tile_rows * kp["max_split_k"] < space.sms):
+        return [base]  # evenly loaded already, or too small to fill the GPU whatever the split
+    for sk in kp.get("alt_split_k", []):
+        for wk in sorted({base.warps_k, max(1, base.warps_k // 2)}):
+            plan = KPlan(split_k=sk, warps_k=wk, k_group=lay.k_group)
+            if plan == base or sk > kp["max_split_k"] or groups // (sk * wk) < kp["min_groups_per_worker"]:
+                continue
+            ratio = min(_best_us(arch, fmt, n, k, plan, m) / best_base[m] for m in (8, 16))
+            if ratio <= 1.0 + kp.get("alt_slack", 0.0):
+                alts.append((ratio, plan))
+    alts.sort(key=lambda a: (a[0], a[1].split_k, a[1].warps_k))
+    return [base] + [p for _, p in alts[: kp.get("max_alt_plans", 0)]]
+
+
+def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
+    """Busiest SM's CTAs over the average, for the cost model's best tile of the plan at M = 8
+    (1.0: every SM equally loaded; 132 / 80 for 80 CTAs on 132 SMs)."""
+    sms = load_space(arch).sms
+    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8]
+    best = min(tiles, key=lambda s: model_us(s, 8))
+    ctas = math.prod(best.grid(8))
+    return math.ceil(ctas / sms) * sms / ctas
+
+
+def _best_us(arch: int, fmt: str, n: int, k: int, plan: KPlan, m: int) -> float:
+    """The cost model's best time at M over the plan's tiles of at most 16 rows."""
+    times = [model_us(s, m) for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows <= 16]
+    return min(times, default=math.inf)
+
+
 def illegal_reason(spec: KernelSpec) -> str | None:
     """Static legality: the reason a spec must never be emitted, or None."""
     space = load_space(spec.arch)
@@ -239,10 +285,20 @@ def min_blocks(spec: KernelSpec, occupancy: int) -> int:
 
 def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
                serves: tuple[str, ...] = ()) -> list[KernelSpec]:
-    """Every legal kernel of the space for one problem, in a deterministic order."""
+    """Every legal kernel of the space for one problem (all its K plans), in a deterministic order."""
+    out: list[KernelSpec] = []
+    plans = k_plans(arch, fmt, n, k)
+    alt_rows = load_space(arch).k_plan.get("alt_max_rows", 64)
+    for i, plan in enumerate(plans):
+        # alternatives are for the small-M buckets (SM fill); rows=8 still serves any M
+        out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves) if i == 0 or c.tile.rows <= alt_rows]
+    return out
+
+
+def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
+                serves: tuple[str, ...]) -> list[KernelSpec]:
     space = load_space(arch)
-    kp = k_plan(arch, fmt, n, k)
-    out = []
+    out: list[KernelSpec] = []
     for rows in space.tiles["rows"]:
         for warp_nt in space.tiles["warp_nt"]:
             for warps_n in space.tiles["warps_n"]:
@@ -252,6 +308,85 @@ def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
                     for occ in space.tiles["occupancy"]:
                         t = replace(spec.tile, min_blocks=min_blocks(spec, occ))
                         c = replace(spec, tile=t)
-                        if illegal_reason(c) is None and c not in out:
+                        if illegal_reason(c) is None and c not in out and _fills_better(c):
                             out.append(c)
     return out
+
+
+def _fills_better(spec: KernelSpec) -> bool:
+    """Narrow CTAs (warps_n below the space's widest) exist to put work on more SMs: keep one only
+    where the cost model says it beats the same tile at the widest warps_n at M = rows."""
+    space = load_space(spec.arch)
+    widest = max(space.tiles["warps_n"])
+    if spec.tile.warps_n >= widest:
+        return True
+    if spec.tile.rows > space.limits.get("narrow_max_rows", 64) or spec.tile.warp_nt > 1:
+        return False  # large row tiles get their CTAs from row blocks; nt > 1 undoes the narrowing
+    wide = replace(spec, tile=replace(spec.tile, warps_n=widest))
+    wide = replace(wide, tile=replace(wide.tile, min_blocks=_occupancy_blocks(wide)))
+    if illegal_reason(wide) is not None:
+        return True
+    return model_us(spec, spec.tile.rows) < 0.95 * model_us(wide, spec.tile.rows)
+
+
+def _occupancy_blocks(spec: KernelSpec) -> int:
+    return max(min_blocks(spec, occ) for occ in load_space(spec.arch).tiles["occupancy"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model (shared by the generator's plan/tile rules, the tuner's pruning and the untuned
+# heuristic tables): the slowest of DRAM bytes, MMA work, latency (bytes in flight per resident
+# warp) and issue on the busiest SM (the SM that got the most CTAs), plus a ramp and, for split-K,
+# the reduce launch. Calibrated on the H200 (bench/h200-2026-11-29-s3 ncu): NVFP4 r8 kernels on 80
+# of 132 SMs issue ~2.2 instructions per cycle per SM, i.e. they are issue-bound per SM, so how
+# evenly CTAs land on SMs decides their speed; FP8 is bound by bytes in flight.
+# ---------------------------------------------------------------------------------------------
+L2_REREAD = 0.3  # a re-read of a weight tile by another row block mostly hits L2
+MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 (H200 measured 643 TFLOP/s)
+SM_GIPS = {70: 2.2 * 1.4, 80: 2.2 * 1.4, 90: 2.2 * 1.78}  # sustained G instructions/s per SM
+LATENCY_US = 1.0  # DRAM round trip under load: bytes in flight per warp are its stages
+READ_GBS = {70: 800.0, 80: 1800.0, 90: 4260.0}  # reference read bandwidth
+RAMP_US, REDUCE_US = 2.0, 2.0
+
+
+def _instr_per_group(spec: KernelSpec) -> float:
+    """SASS instructions per (warp tile, K group) of the main loop (bench/NOTES.md counts, sm_90);
+    sm_70/sm_80 decode in software (about twice as many)."""
+    nvfp4 = spec.fmt == "nvfp4"
+    base, per8 = (64.0, 6.0) if nvfp4 else (14.0, 3.4)
+    if spec.arch < 89:
+        base *= 1.9 if nvfp4 else 4.0
+    return base + per8 * (spec.tile.rows // 8 - 1)
+
+
+def resident_ctas(spec: KernelSpec) -> int:
+    """CTAs per SM: the min-blocks hint where the kernel is capped for it, else by threads and the
+    estimated registers."""
+    if spec.tile.min_blocks > 1:
+        return spec.tile.min_blocks
+    regs = max(32, _reg_need(spec, load_space(spec.arch)))
+    return max(1, min(32, 2048 // spec.threads, 65536 // (spec.threads * regs)))
+
+
+def model_us(spec: KernelSpec, m: int, bw_gbs: float = 0.0, sms: int = 0) -> float:
+    sms = sms or load_space(spec.arch).sms
+    bw = bw_gbs or READ_GBS.get(spec.arch, 1000.0)
+    lay = spec.layout
+    per_byte = 0.5625 if spec.fmt == "nvfp4" else 1.0
+    wbytes = spec.n * spec.k * per_byte
+    gx, gy, gz = spec.grid(m)
+    t_mem = (1 + L2_REREAD * (gx - 1)) * wbytes / (bw * 1e3)
+    t_mma = 2 * gx * spec.tile.rows * lay.n_pad * spec.k / (MMA_TFLOPS.get(spec.arch, 100.0) * 1e6)
+    ctas = gx * gy * gz
+    warps = spec.threads // 32
+    res = resident_ctas(spec)
+    # latency: a warp keeps `stages` loads per warp tile in flight, so a CTA alone takes its bytes
+    # over (warps x stages x load / latency); the busiest SM runs its CTAs `res` at a time
+    per_load = 576 if spec.fmt == "nvfp4" else 512  # bytes per warp tile and group (NVFP4: + scales)
+    tile_groups = spec.tile.warp_nt * spec.tile.warps_n * (spec.k // lay.k_group) // gz
+    cta_us = tile_groups * per_load / (warps * spec.tile.stages * spec.tile.warp_nt * per_load) * LATENCY_US
+    t_lat = math.ceil(math.ceil(ctas / sms) / res) * cta_us
+    # issue on the busiest SM: it runs ceil(ctas / sms) CTAs, each of warp tiles x its K groups
+    t_issue = math.ceil(ctas / sms) * tile_groups * _instr_per_group(spec) / (SM_GIPS.get(spec.arch, 3.0) * 1e3)
+    t = max(t_mem, t_mma, t_lat, t_issue) + RAMP_US
+    return t + (REDUCE_US if gz > 1 else 0.0)
