@@ -3,7 +3,7 @@
 Two levels, so batch invariance holds by construction:
 - ``KPlan`` (split_k, warps_k, k_group) fixes how K is cut and in which order partial sums meet. It
   is a function of (arch, format, N, K) only.
-- ``Tile`` (rows, warp_nt, warps_n, stages, x_ahead, min_blocks) is what the tuner may change per
+- ``Tile`` (rows, warp_nt, warps_n, stages, x_ahead, x_smem, min_blocks) is what the tuner may change per
   M: rows per CTA, N tiling, activation prefetch and the occupancy hint, none of which touches the
   reduction.
 """
@@ -136,7 +136,10 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
-        return max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+        red = max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+        # x_smem: a ring of `stages` groups of activations per K worker, overlaid with `red`
+        ring = self.tile.stages * self.kplan.warps_k * self.tile.rows * self.kplan.k_group * 2
+        return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
         """Rough live registers per thread; only used to keep hopeless tiles out."""
@@ -148,6 +151,8 @@ class KernelSpec:
         n8 = self.tile.rows // 8
         # activations: current group + the one being fetched, or just the current one
         xbuf = 2 if self.tile.x_ahead else 1
+        if self.tile.x_smem:  # one LDS.128 per 8 rows in flight, copier offsets and ring indices
+            return acc + self.tile.warp_nt * a_frag + 4 * n8 + pipeline + 8 + 32
         return acc + self.tile.warp_nt * a_frag + xbuf * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,7 +253,18 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"{tiles} warp tiles not divisible by warp_nt={t.warp_nt}"
     if groups < spec.kplan.split_k * spec.kplan.warps_k:
         return f"{groups} K groups for {spec.kplan.split_k * spec.kplan.warps_k} K workers"
-    if not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
+    if t.x_smem:
+        if spec.fam != "sm80":
+            return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
+        if t.x_ahead or t.warp_nt > 1 or t.rows < space.limits.get("x_smem_from_rows", 16) or t.stages < 2:
+            return (f"x_smem only with x_ahead=0, warp_nt=1, >= 2 stages and rows >= "
+                    f"{space.limits.get('x_smem_from_rows', 16)}")
+        if t.warps_n not in space.tiles.get("x_smem_warps_n", space.tiles["warps_n"]):
+            return f"x_smem tiles take warps_n from {space.tiles.get('x_smem_warps_n')}"
+        if spec.threads > space.limits.get("x_smem_max_threads", 512):
+            return (f"x_smem with {spec.threads} threads: (512, 1) launch bounds cap registers at 128 "
+                    f"and FP8 tiles spill (nvcc 13); at most {space.limits.get('x_smem_max_threads')}")
+    elif not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
         return (f"x_ahead=0 only for warp_nt=1 tiles from rows={space.limits['x_ahead_off_from_rows']} "
                 "(the others have the registers or are register-bound on weights)")
     if t.min_blocks < 1:
@@ -263,6 +279,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"~{spec.reg_estimate()} registers > budget {budget} ({spec.threads} threads)"
     if t.min_blocks > 1 and _reg_need(spec, space) > 65536 // (spec.threads * t.min_blocks):
         return f"~{_reg_need(spec, space)} registers do not fit {t.min_blocks} blocks of {spec.threads} threads"
+    if not t.x_smem and t.warps_n not in space.tiles["warps_n"]:
+        return f"warps_n={t.warps_n} only for x_smem tiles"
     return None
 
 
@@ -278,6 +296,8 @@ def min_blocks(spec: KernelSpec, occupancy: int) -> int:
     beyond the thread count; ptxas then keeps whatever it needs, spill-free)."""
     space = load_space(spec.arch)
     want = max(1, occupancy * 32 // spec.threads)
+    if spec.tile.x_smem:
+        return 1  # capped registers made ptxas spill these (nvcc 13, sm_90); it picks its own target
     if want > 1 and _reg_need(spec, space) <= 65536 // (spec.threads * want):
         return want
     return 1
@@ -301,9 +321,11 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     out: list[KernelSpec] = []
     for rows in space.tiles["rows"]:
         for warp_nt in space.tiles["warp_nt"]:
-            for warps_n in space.tiles["warps_n"]:
-                for stages, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"]):
-                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa)
+            for warps_n in sorted(set(space.tiles["warps_n"]) | set(space.tiles.get("x_smem_warps_n", []))):
+                # x_smem tiles hold no activations in registers: always x_ahead=0
+                act = [(xa, 0) for xa in space.tiles["x_ahead"]] + [(0, 1)] * (1 in space.tiles.get("x_smem", [0]))
+                for stages, (xa, xs) in itertools.product(space.tiles["stages"], act):
+                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
                     for occ in space.tiles["occupancy"]:
                         t = replace(spec.tile, min_blocks=min_blocks(spec, occ))

@@ -121,3 +121,27 @@ def test_space_files_load() -> None:
         sp = load_space(arch)
         assert sp.arch == arch and sp.max_m >= 64
         assert {8, 16, 32}.issubset(sp.tiles["rows"])
+
+
+def test_x_smem_tiles() -> None:
+    # The CTA-staged activation tile (issue #4 item 2): m16n8k16 trait only, large row tiles only,
+    # no activation registers (x_ahead=0), one warp tile per warp, within static shared memory.
+    for arch in (80, 90):
+        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem]
+        assert {c.tile.rows for c in xs} == {32, 64}
+        assert {c.tile.warps_n for c in xs} >= {2, 4}
+        for c in xs:
+            assert c.tile.x_ahead == 0 and c.tile.warp_nt == 1 and c.threads <= 256
+            assert "_xs1_" in c.name and c.smem_bytes() <= load_space(arch).limits["smem_bytes"]
+            # same K plan as the register tiles of the problem: bitwise-identical rows
+            assert c.kplan == k_plan(arch, "nvfp4", 34816, 5120)
+    assert not any(c.tile.x_smem for c in candidates(70, "nvfp4", 34816, 5120))
+    base = KernelSpec(90, "nvfp4", 34816, 5120, False, KPlan(1, 2, 64), Tile(64, 1, 2, 3, x_ahead=0, x_smem=1))
+    assert illegal_reason(base) is None
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, rows=16)))
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, x_ahead=1)))
+    assert "m16n8k16" in illegal_reason(replace(base, arch=70, kplan=KPlan(1, 2, 32)))
+    assert "shared memory" in illegal_reason(replace(base, kplan=KPlan(1, 4, 64)))
+    assert "warps_n" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=8)))
+    wide = replace(base, tile=replace(base.tile, rows=32, warps_n=4), kplan=KPlan(1, 4, 64))
+    assert "threads" in illegal_reason(wide)
