@@ -297,9 +297,15 @@ def min_blocks(spec: KernelSpec, occupancy: int) -> int:
     space = load_space(spec.arch)
     want = max(1, occupancy * 32 // spec.threads)
     if spec.tile.x_smem:
-        return 1  # capped registers made ptxas spill these (nvcc 13, sm_90); it picks its own target
+        return 1  # any min-blocks cap (even 96 for a tile that needs 72) made nvcc 13 spill these
     if want > 1 and _reg_need(spec, space) <= 65536 // (spec.threads * want):
         return want
+    if spec.threads < 512 and (spec.tile.warps_n < max(space.tiles["warps_n"])
+                               or spec.kplan != k_plan(spec.arch, spec.fmt, spec.n, spec.k)):
+        # New tiles (half-size CTAs, split-K alternatives): left without a hint nvcc 13 aimed some
+        # below their need (sm_90 split-K r16 spilled at 80 registers) and a hint of 1 lets it take
+        # up to 255: cap them at the full (generous) estimate instead.
+        return max(1, 65536 // (spec.threads * -(-spec.reg_estimate() // 8) * 8))
     return 1
 
 

@@ -128,7 +128,7 @@ def test_x_smem_tiles() -> None:
     # no activation registers (x_ahead=0), one warp tile per warp, within static shared memory.
     for arch in (80, 90):
         xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem]
-        assert {c.tile.rows for c in xs} == {32, 64}
+        assert {c.tile.rows for c in xs} == ({32, 64} if arch == 90 else {64})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
         for c in xs:
             assert c.tile.x_ahead == 0 and c.tile.warp_nt == 1 and c.threads <= 256
