@@ -3,7 +3,7 @@
 Two levels, so batch invariance holds by construction:
 - ``KPlan`` (split_k, warps_k, k_group) fixes how K is cut and in which order partial sums meet. It
   is a function of (arch, format, N, K) only.
-- ``Tile`` (rows, warp_nt, warps_n, stages, x_ahead, min_blocks) is what the tuner may change per
+- ``Tile`` (rows, warp_nt, warps_n, stages, x_ahead, x_smem, min_blocks) is what the tuner may change per
   M: rows per CTA, N tiling, activation prefetch and the occupancy hint, none of which touches the
   reduction.
 """
@@ -33,7 +33,7 @@ class ArchSpace:
     arch: int
     mma: str
     sms: int
-    k_plan: dict[str, int]
+    k_plan: dict[str, Any]
     tiles: dict[str, list[int]]
     limits: dict[str, int]
     max_m: int
@@ -76,6 +76,7 @@ class Tile:
     stages: int
     min_blocks: int = 1  # __launch_bounds__ min blocks per SM: caps registers at 64K / (threads * it)
     x_ahead: int = 1  # 1: activations fetched one group ahead (two buffers); 0: at their group's top
+    x_smem: int = 0  # 1: the CTA stages each K stage's activations in shared memory once (cp.async)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class KernelSpec:
         kp, t = self.kplan, self.tile
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}"
-                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_mb{t.min_blocks}")
+                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -135,7 +136,10 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
-        return max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+        red = max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+        # x_smem: a ring of `stages` groups of activations per K worker, overlaid with `red`
+        ring = self.tile.stages * self.kplan.warps_k * self.tile.rows * self.kplan.k_group * 2
+        return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
         """Rough live registers per thread; only used to keep hopeless tiles out."""
@@ -147,6 +151,8 @@ class KernelSpec:
         n8 = self.tile.rows // 8
         # activations: current group + the one being fetched, or just the current one
         xbuf = 2 if self.tile.x_ahead else 1
+        if self.tile.x_smem:  # one LDS.128 per 8 rows in flight, copier offsets and ring indices
+            return acc + self.tile.warp_nt * a_frag + 4 * n8 + pipeline + 8 + 32
         return acc + self.tile.warp_nt * a_frag + xbuf * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +189,51 @@ def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
     return KPlan(split_k=split_k, warps_k=warps_k, k_group=lay.k_group)
 
 
+def k_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
+    """Every K plan the tuner may choose from for (arch, format, N, K): the derived one first, then
+    split-K alternatives (`k_plan.alt_split_k`, warps_k of the derived plan or half of it) that the
+    cost model predicts within `alt_slack` of the derived plan's best at M = 8 or 16 (it cannot
+    rank them finer than that: the tuner measures), at most `max_alt_plans` of them, best first.
+    A function of (arch, format, N, K) only -- never of M -- so whichever plan the tuner picks
+    (once per problem, jointly over all M buckets) is shared by every tile."""
+    space = load_space(arch)
+    base = k_plan(arch, fmt, n, k)
+    lay = Layout(arch, fmt, n, k)
+    groups = k // lay.k_group
+    kp = space.k_plan
+    alts: list[tuple[float, KPlan]] = []
+    best_base = {m: _best_us(arch, fmt, n, k, base, m) for m in (8, 16)}
+    if (_imbalance(arch, fmt, n, k, base) < kp.get("alt_if_imbalance", 1.0)
+            or lay.n_pad // lay.tile_rows * kp["max_split_k"] < space.sms):
+        return [base]  # evenly loaded already, or too small to fill the GPU whatever the split
+    for sk in kp.get("alt_split_k", []):
+        for wk in sorted({base.warps_k, max(1, base.warps_k // 2)}):
+            plan = KPlan(split_k=sk, warps_k=wk, k_group=lay.k_group)
+            if plan == base or sk > kp["max_split_k"] or groups // (sk * wk) < kp["min_groups_per_worker"]:
+                continue
+            ratio = min(_best_us(arch, fmt, n, k, plan, m) / best_base[m] for m in (8, 16))
+            if ratio <= 1.0 + kp.get("alt_slack", 0.0):
+                alts.append((ratio, plan))
+    alts.sort(key=lambda a: (a[0], a[1].split_k, a[1].warps_k))
+    return [base] + [p for _, p in alts[: kp.get("max_alt_plans", 0)]]
+
+
+def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
+    """Busiest SM's CTAs over the average, for the cost model's best tile of the plan at M = 8
+    (1.0: every SM equally loaded; 132 / 80 for 80 CTAs on 132 SMs)."""
+    sms = load_space(arch).sms
+    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8]
+    best = min(tiles, key=lambda s: model_us(s, 8))
+    ctas = math.prod(best.grid(8))
+    return math.ceil(ctas / sms) * sms / ctas
+
+
+def _best_us(arch: int, fmt: str, n: int, k: int, plan: KPlan, m: int) -> float:
+    """The cost model's best time at M over the plan's tiles of at most 16 rows."""
+    times = [model_us(s, m) for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows <= 16]
+    return min(times, default=math.inf)
+
+
 def illegal_reason(spec: KernelSpec) -> str | None:
     """Static legality: the reason a spec must never be emitted, or None."""
     space = load_space(spec.arch)
@@ -202,7 +253,18 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"{tiles} warp tiles not divisible by warp_nt={t.warp_nt}"
     if groups < spec.kplan.split_k * spec.kplan.warps_k:
         return f"{groups} K groups for {spec.kplan.split_k * spec.kplan.warps_k} K workers"
-    if not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
+    if t.x_smem:
+        if spec.fam != "sm80":
+            return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
+        if t.x_ahead or t.warp_nt > 1 or t.rows < space.limits.get("x_smem_from_rows", 16) or t.stages < 2:
+            return (f"x_smem only with x_ahead=0, warp_nt=1, >= 2 stages and rows >= "
+                    f"{space.limits.get('x_smem_from_rows', 16)}")
+        if t.warps_n not in space.tiles.get("x_smem_warps_n", space.tiles["warps_n"]):
+            return f"x_smem tiles take warps_n from {space.tiles.get('x_smem_warps_n')}"
+        if spec.threads > space.limits.get("x_smem_max_threads", 512):
+            return (f"x_smem with {spec.threads} threads: (512, 1) launch bounds cap registers at 128 "
+                    f"and FP8 tiles spill (nvcc 13); at most {space.limits.get('x_smem_max_threads')}")
+    elif not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
         return (f"x_ahead=0 only for warp_nt=1 tiles from rows={space.limits['x_ahead_off_from_rows']} "
                 "(the others have the registers or are register-bound on weights)")
     if t.min_blocks < 1:
@@ -217,6 +279,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"~{spec.reg_estimate()} registers > budget {budget} ({spec.threads} threads)"
     if t.min_blocks > 1 and _reg_need(spec, space) > 65536 // (spec.threads * t.min_blocks):
         return f"~{_reg_need(spec, space)} registers do not fit {t.min_blocks} blocks of {spec.threads} threads"
+    if not t.x_smem and t.warps_n not in space.tiles["warps_n"]:
+        return f"warps_n={t.warps_n} only for x_smem tiles"
     return None
 
 
@@ -232,26 +296,125 @@ def min_blocks(spec: KernelSpec, occupancy: int) -> int:
     beyond the thread count; ptxas then keeps whatever it needs, spill-free)."""
     space = load_space(spec.arch)
     want = max(1, occupancy * 32 // spec.threads)
+    if spec.tile.x_smem:
+        return 1  # any min-blocks cap (even 96 for a tile that needs 72) made nvcc 13 spill these
     if want > 1 and _reg_need(spec, space) <= 65536 // (spec.threads * want):
         return want
+    if spec.threads < 512 and (spec.tile.warps_n < max(space.tiles["warps_n"])
+                               or spec.kplan != k_plan(spec.arch, spec.fmt, spec.n, spec.k)):
+        # New tiles (half-size CTAs, split-K alternatives): left without a hint nvcc 13 aimed some
+        # below their need (sm_90 split-K r16 spilled at 80 registers) and a hint of 1 lets it take
+        # up to 255: cap them at the full (generous) estimate instead.
+        return max(1, 65536 // (spec.threads * -(-spec.reg_estimate() // 8) * 8))
     return 1
 
 
 def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
                serves: tuple[str, ...] = ()) -> list[KernelSpec]:
-    """Every legal kernel of the space for one problem, in a deterministic order."""
+    """Every legal kernel of the space for one problem (all its K plans), in a deterministic order."""
+    out: list[KernelSpec] = []
+    plans = k_plans(arch, fmt, n, k)
+    alt_rows = load_space(arch).k_plan.get("alt_max_rows", 64)
+    for i, plan in enumerate(plans):
+        # alternatives are for the small-M buckets (SM fill); rows=8 still serves any M
+        out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves) if i == 0 or c.tile.rows <= alt_rows]
+    return out
+
+
+def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
+                serves: tuple[str, ...]) -> list[KernelSpec]:
     space = load_space(arch)
-    kp = k_plan(arch, fmt, n, k)
-    out = []
+    out: list[KernelSpec] = []
     for rows in space.tiles["rows"]:
         for warp_nt in space.tiles["warp_nt"]:
-            for warps_n in space.tiles["warps_n"]:
-                for stages, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"]):
-                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa)
+            for warps_n in sorted(set(space.tiles["warps_n"]) | set(space.tiles.get("x_smem_warps_n", []))):
+                # x_smem tiles hold no activations in registers: always x_ahead=0
+                act = [(xa, 0) for xa in space.tiles["x_ahead"]] + [(0, 1)] * (1 in space.tiles.get("x_smem", [0]))
+                for stages, (xa, xs) in itertools.product(space.tiles["stages"], act):
+                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
                     for occ in space.tiles["occupancy"]:
                         t = replace(spec.tile, min_blocks=min_blocks(spec, occ))
                         c = replace(spec, tile=t)
-                        if illegal_reason(c) is None and c not in out:
+                        if illegal_reason(c) is None and c not in out and _fills_better(c):
                             out.append(c)
     return out
+
+
+def _fills_better(spec: KernelSpec) -> bool:
+    """Narrow CTAs (warps_n below the space's widest) exist to put work on more SMs: keep one only
+    where the cost model says it beats the same tile at the widest warps_n at M = rows."""
+    space = load_space(spec.arch)
+    widest = max(space.tiles["warps_n"])
+    if spec.tile.warps_n >= widest:
+        return True
+    if spec.tile.rows > space.limits.get("narrow_max_rows", 64) or spec.tile.warp_nt > 1:
+        return False  # large row tiles get their CTAs from row blocks; nt > 1 undoes the narrowing
+    wide = replace(spec, tile=replace(spec.tile, warps_n=widest))
+    wide = replace(wide, tile=replace(wide.tile, min_blocks=_occupancy_blocks(wide)))
+    if illegal_reason(wide) is not None:
+        return True
+    return model_us(spec, spec.tile.rows) < 0.95 * model_us(wide, spec.tile.rows)
+
+
+def _occupancy_blocks(spec: KernelSpec) -> int:
+    return max(min_blocks(spec, occ) for occ in load_space(spec.arch).tiles["occupancy"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model (shared by the generator's plan/tile rules, the tuner's pruning and the untuned
+# heuristic tables): the slowest of DRAM bytes, MMA work, latency (bytes in flight per resident
+# warp) and issue on the busiest SM (the SM that got the most CTAs), plus a ramp and, for split-K,
+# the reduce launch. Calibrated on the H200 (bench/h200-2026-11-29-s3 ncu): NVFP4 r8 kernels on 80
+# of 132 SMs issue ~2.2 instructions per cycle per SM, i.e. they are issue-bound per SM, so how
+# evenly CTAs land on SMs decides their speed; FP8 is bound by bytes in flight.
+# ---------------------------------------------------------------------------------------------
+L2_REREAD = 0.3  # a re-read of a weight tile by another row block mostly hits L2
+MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 (H200 measured 643 TFLOP/s)
+SM_GIPS = {70: 2.2 * 1.4, 80: 2.2 * 1.4, 90: 2.2 * 1.78}  # sustained G instructions/s per SM
+LATENCY_US = 1.0  # DRAM round trip under load: bytes in flight per warp are its stages
+READ_GBS = {70: 800.0, 80: 1800.0, 90: 4260.0}  # reference read bandwidth
+RAMP_US, REDUCE_US = 2.0, 2.0
+
+
+def _instr_per_group(spec: KernelSpec) -> float:
+    """SASS instructions per (warp tile, K group) of the main loop (bench/NOTES.md counts, sm_90);
+    sm_70/sm_80 decode in software (about twice as many)."""
+    nvfp4 = spec.fmt == "nvfp4"
+    base, per8 = (64.0, 6.0) if nvfp4 else (14.0, 3.4)
+    if spec.arch < 89:
+        base *= 1.9 if nvfp4 else 4.0
+    return base + per8 * (spec.tile.rows // 8 - 1)
+
+
+def resident_ctas(spec: KernelSpec) -> int:
+    """CTAs per SM: the min-blocks hint where the kernel is capped for it, else by threads and the
+    estimated registers."""
+    if spec.tile.min_blocks > 1:
+        return spec.tile.min_blocks
+    regs = max(32, _reg_need(spec, load_space(spec.arch)))
+    return max(1, min(32, 2048 // spec.threads, 65536 // (spec.threads * regs)))
+
+
+def model_us(spec: KernelSpec, m: int, bw_gbs: float = 0.0, sms: int = 0) -> float:
+    sms = sms or load_space(spec.arch).sms
+    bw = bw_gbs or READ_GBS.get(spec.arch, 1000.0)
+    lay = spec.layout
+    per_byte = 0.5625 if spec.fmt == "nvfp4" else 1.0
+    wbytes = spec.n * spec.k * per_byte
+    gx, gy, gz = spec.grid(m)
+    t_mem = (1 + L2_REREAD * (gx - 1)) * wbytes / (bw * 1e3)
+    t_mma = 2 * gx * spec.tile.rows * lay.n_pad * spec.k / (MMA_TFLOPS.get(spec.arch, 100.0) * 1e6)
+    ctas = gx * gy * gz
+    warps = spec.threads // 32
+    res = resident_ctas(spec)
+    # latency: a warp keeps `stages` loads per warp tile in flight, so a CTA alone takes its bytes
+    # over (warps x stages x load / latency); the busiest SM runs its CTAs `res` at a time
+    per_load = 576 if spec.fmt == "nvfp4" else 512  # bytes per warp tile and group (NVFP4: + scales)
+    tile_groups = spec.tile.warp_nt * spec.tile.warps_n * (spec.k // lay.k_group) // gz
+    cta_us = tile_groups * per_load / (warps * spec.tile.stages * spec.tile.warp_nt * per_load) * LATENCY_US
+    t_lat = math.ceil(math.ceil(ctas / sms) / res) * cta_us
+    # issue on the busiest SM: it runs ceil(ctas / sms) CTAs, each of warp tiles x its K groups
+    t_issue = math.ceil(ctas / sms) * tile_groups * _instr_per_group(spec) / (SM_GIPS.get(spec.arch, 3.0) * 1e3)
+    t = max(t_mem, t_mma, t_lat, t_issue) + RAMP_US
+    return t + (REDUCE_US if gz > 1 else 0.0)

@@ -16,7 +16,6 @@ Results are journaled after every problem, so an interrupted run resumes where i
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,13 +25,12 @@ from typing import Any
 import torch
 
 from .prepack import Layout, PackedWeight, prepack
+from .schedule import KernelSpec, KPlan, Tile, model_us
 from .timing import Timing, copies_for, graph_time, read_bandwidth
 from .verify import random_fp8, random_nvfp4
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 SERVABLE_PEERS = ("cublas_fp16", "fallback")
-L2_REREAD = 0.3
-MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 rates (H200 measured 643 TFLOP/s)
 SMS = {70: 80, 80: 108, 90: 132}  # reference parts (V100, A100, H100/H200)
 
 
@@ -56,33 +54,38 @@ class Problem:
         return int(self.n * self.k * per)
 
 
+def spec_of(entry: dict[str, Any]) -> KernelSpec:
+    """The schedule's KernelSpec behind a manifest entry (missing knobs at their defaults)."""
+    kp, t = entry["kplan"], entry["tile"]
+    lay = Layout(entry["arch"], entry["format"], entry["n"], entry["k"])
+    tile = Tile(rows=t["rows"], warp_nt=t["warp_nt"], warps_n=t.get("warps_n", 2), stages=t.get("stages", 3),
+                min_blocks=t.get("min_blocks", 1), x_ahead=t.get("x_ahead", 1), x_smem=t.get("x_smem", 0))
+    threads = entry.get("threads", 32 * tile.warps_n * kp.get("warps_k", 1))
+    plan = KPlan(split_k=kp.get("split_k", 1), warps_k=kp.get("warps_k", threads // (32 * tile.warps_n)),
+                 k_group=kp.get("k_group", lay.k_group))
+    return KernelSpec(entry["arch"], entry["format"], entry["n"], entry["k"], entry.get("epilogue") == "silu",
+                      plan, tile)
+
+
 def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float, sms: int = 0) -> float:
-    """Cost model: weight bytes (row blocks of one N tile run together, so re-reads mostly hit L2:
-    charged at L2_REREAD of a DRAM read) vs MMA work, stretched by wave quantisation (a partial
-    last wave of CTAs still costs a whole wave), plus a ramp."""
-    prob_bytes = entry["n"] * entry["k"] * (0.5625 if entry["format"] == "nvfp4" else 1.0)
-    tile = entry["tile"]
-    blocks = math.ceil(m / tile["rows"])
-    t_mem = (1 + L2_REREAD * (blocks - 1)) * prob_bytes / (bw_gbs * 1e3)
-    padded_m = blocks * tile["rows"]
-    t_mma = 2 * padded_m * entry["n_pad"] * entry["k"] / (MMA_TFLOPS.get(entry["arch"], 100.0) * 1e6)
-    sms = sms or SMS.get(entry["arch"], 100)
-    tile_rows = 16 if entry["arch"] >= 80 else 32
-    ctas = blocks * math.ceil(entry["n_pad"] / tile_rows / (tile["warp_nt"] * tile["warps_n"])) \
-        * entry["kplan"]["split_k"]
-    # resident CTAs per SM: the min-blocks hint where the kernel was capped for it, else by threads
-    per_wave = sms * (tile.get("min_blocks", 1) if tile.get("min_blocks", 1) > 1
-                      else max(1, min(32, 2048 // entry["threads"])))
-    waves = math.ceil(ctas / per_wave)
-    quantisation = waves * per_wave / ctas if ctas >= per_wave else 1.0
-    return max(t_mem, t_mma) * quantisation + 2.0
+    """The schedule's cost model (dflashgen.schedule.model_us: bytes, MMA work, bytes in flight,
+    issue on the busiest SM, ramp, split-K reduce) for a manifest entry."""
+    return model_us(spec_of(entry), m, bw_gbs, sms or SMS.get(entry["arch"], 100))
 
 
 def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6) -> list[dict[str, Any]]:
-    # ties (rows that all cover M) go to the smallest tile: least padded work
-    scored = sorted(entries, key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
-    best = model_time_us(scored[0], m, bw_gbs)
-    return [e for e in scored if model_time_us(e, m, bw_gbs) <= keep * best]
+    """Candidates within `keep` x the cost model's best, per K plan: the tuner chooses the plan
+    jointly over all buckets, so every plan keeps its own leaders at every M."""
+    by_plan: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in entries:
+        by_plan[json.dumps(e["kplan"], sort_keys=True)].append(e)
+    out = []
+    for plan in sorted(by_plan):
+        # ties (rows that all cover M) go to the smallest tile: least padded work
+        scored = sorted(by_plan[plan], key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
+        best = model_time_us(scored[0], m, bw_gbs)
+        out += [e for e in scored if model_time_us(e, m, bw_gbs) <= keep * best]
+    return sorted(out, key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
 
 
 def problems_for(targets: list[Any], arch: int) -> list[Problem]:
@@ -173,7 +176,12 @@ def choose(ms: tuple[int, ...], timings: dict[str, dict[int, Timing]], plans: di
         by_plan[plans[name]].append(name)
 
     def plan_cost(names: list[str]) -> float:
-        return sum(min((timings[n][m].us for n in names if m in timings[n]), default=1e9) for m in ms)
+        # a bucket the runtime serves from a peer anyway costs the peer's time, whatever the plan
+        total = 0.0
+        for m in ms:
+            servable = [t.us for k, t in peers[m].items() if k in SERVABLE_PEERS] or [1e9]
+            total += min([timings[n][m].us for n in names if m in timings[n]] + [min(servable)])
+        return total
 
     plan = min(sorted(by_plan), key=lambda k: plan_cost(by_plan[k])) if by_plan else None
     buckets = []
@@ -312,12 +320,21 @@ def heuristic_table(arch: int, targets_path: Path | None = None, bw_gbs: float =
         cands = entries.get(p.key)
         if not cands:
             continue
+        # one K plan for every bucket (batch invariance): the one the cost model sums lowest
+        by_plan: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in cands:
+            by_plan[json.dumps(e["kplan"], sort_keys=True)].append(e)
+
+        def cost(es: list[dict[str, Any]]) -> float:
+            return sum(min(model_time_us(e, m, bw_gbs) for e in es) for m in BUCKETS)
+
+        plan = min(sorted(by_plan), key=lambda k: cost(by_plan[k]))
         buckets = []
         for m in BUCKETS:
-            best = prune(cands, m, bw_gbs)[0]
+            best = prune(by_plan[plan], m, bw_gbs)[0]
             buckets.append({"m": m, "path": "kernel", "kernel": best["name"], "us": None,
                             "why": f"untuned: cost model {model_time_us(best, m, bw_gbs):.1f} us at {bw_gbs:.0f} GB/s"})
-        problems[p.key] = {"kplan": cands[0]["kplan"], "buckets": buckets}
+        problems[p.key] = {"kplan": json.loads(plan), "buckets": buckets}
     return {"schema": 1, "tuned": False, "problems": problems,
             "note": f"heuristic sm_{arch} table from the cost model, not measured: replace it by running "
                     "`dflashgen tune` on the GPU",

@@ -99,10 +99,15 @@ def verify_problem(entries: list[dict[str, Any]], images: dict[str, tuple[Path, 
     if silu:
         ref = reference_silu_mul(ref)
     kernels = [GemmKernel(e, images[e["name"]][0], max_m=mmax, device=device) for e in entries]
-    # Each row computed alone by the group's first kernel: the bitwise anchor for all others.
-    alone = torch.cat([kernels[0](x[i : i + 1].contiguous(), packed) for i in range(mmax)])
+    # Each row computed alone by the first kernel of each K plan: the bitwise anchor for all others
+    # of that plan (a problem may offer several plans; the tuner serves every M from one of them).
+    anchors: dict[str, torch.Tensor] = {}
     reports = []
     for kern in kernels:
+        plan = json.dumps(kern.entry["kplan"], sort_keys=True)
+        if plan not in anchors:
+            anchors[plan] = torch.cat([kern(x[i : i + 1].contiguous(), packed) for i in range(mmax)])
+        alone = anchors[plan]
         rep = KernelReport(kern.name, kern.arch, images[kern.name][1])
         for m in ms:
             out = torch.full((m, kern.n_out), float("nan"), dtype=torch.float16, device=device)

@@ -82,3 +82,14 @@ ptxas info    : Used 96 registers, used 1 barriers, 4096 bytes smem, 400 bytes c
 def test_cache_root_env(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DFLASHGEN_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
+
+
+def test_x_smem_kernel_compiles_without_spills_on_sm90(tmp_path: Path) -> None:
+    from dflashgen.toolchain import nvcc_supports
+
+    if not nvcc_supports(90):
+        pytest.skip("no system nvcc for sm_90")
+    name = "dfg_sm90_nvfp4_store_n34816_k5120_sk1_wk2_kg64_r64_nt1_wn4_st3_xa0_xs1_mb1"
+    res = build([90], only=f"^{name}$", build_dir=tmp_path, progress=False)
+    rec = json.loads((tmp_path / "sm_90" / "record.json").read_text())["kernels"][name]["resources"]
+    assert name in res.artifacts and rec["spill_stores"] == 0 and rec["spill_loads"] == 0

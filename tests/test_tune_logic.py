@@ -136,16 +136,51 @@ def test_committed_heuristic_sm70_table_is_current() -> None:
 def test_cost_model_charges_a_partial_last_wave() -> None:
     from dflashgen.tune import model_time_us
 
-    base = {"name": "k", "format": "nvfp4", "n": 16 * 2 * 132 * 8, "k": 4096, "arch": 90,
-            "tile": {"rows": 8, "warp_nt": 1, "warps_n": 2}, "kplan": {"split_k": 1}, "threads": 256}
-    full = model_time_us({**base, "n_pad": base["n"]}, 8, 4000.0)  # exactly one wave of CTAs
-    ragged = {**base, "n": base["n"] + 32, "n_pad": base["n"] + 32}  # one CTA spills into a 2nd wave
-    assert model_time_us(ragged, 8, 4000.0) > 1.5 * (full - 2.0)
+    # 2 resident CTAs per SM (min_blocks): 264 CTAs are one round on every SM of 132; a 265th puts a
+    # second round on one SM. Latency-bound (bandwidth out of the way), that round costs a whole CTA.
+    base = {"name": "k", "format": "nvfp4", "n": 16 * 2 * 132 * 2, "k": 4096, "arch": 90,
+            "tile": {"rows": 8, "warp_nt": 1, "warps_n": 2, "min_blocks": 2},
+            "kplan": {"split_k": 1, "warps_k": 4}, "threads": 256}
+    full = model_time_us({**base, "n_pad": base["n"]}, 8, 1e6)
+    ragged = {**base, "n": base["n"] + 32, "n_pad": base["n"] + 32}
+    assert model_time_us(ragged, 8, 1e6) - 2.0 > 1.9 * (full - 2.0)
+
+
+def test_cost_model_prefers_even_sm_load_when_issue_bound() -> None:
+    from dflashgen.tune import model_time_us
+
+    # NVFP4 N = 5120, K = 17408 on 132 SMs: 160 CTAs of 16 warps (28 SMs run two) vs 320 of 8 warps
+    e = {"name": "k", "format": "nvfp4", "n": 5120, "n_pad": 5120, "k": 17408, "arch": 90, "epilogue": "store",
+         "kplan": {"split_k": 1, "warps_k": 8, "k_group": 64}}
+    wide = {**e, "tile": {"rows": 8, "warp_nt": 1, "warps_n": 2, "min_blocks": 2}, "threads": 512}
+    narrow = {**e, "tile": {"rows": 8, "warp_nt": 1, "warps_n": 1, "min_blocks": 4}, "threads": 256}
+    assert model_time_us(narrow, 8, 4262.0) < 0.85 * model_time_us(wide, 8, 4262.0)
+
+
+def test_prune_keeps_every_k_plans_leader() -> None:
+    def entry(name: str, sk: int, rows: int) -> dict:
+        return {"name": name, "format": "nvfp4", "n": 4096, "k": 4096, "n_pad": 4096, "arch": 90,
+                "tile": {"rows": rows, "warp_nt": 1, "warps_n": 2}, "kplan": {"split_k": sk, "warps_k": 4},
+                "threads": 256}
+
+    es = [entry("a8", 1, 8), entry("a64", 1, 64), entry("b8", 4, 8)]
+    kept = {e["name"] for e in prune(es, 64, 4000.0, keep=1.0)}
+    assert kept == {"a64", "b8"}, "each plan keeps its own best, or the joint plan choice cannot see it"
+
+
+def test_plan_cost_counts_fallback_buckets_at_the_peer() -> None:
+    # Plan B is faster at M = 8 and has no kernel that beats cuBLAS at M = 64 (nor does A): the
+    # M = 64 bucket is served by the peer either way, so it must not decide the plan.
+    timings = {"a": {8: Timing(8.0, 0.01), 16: Timing(8.0, 0.01), 64: Timing(30.0, 0.01)},
+               "b": {8: Timing(6.0, 0.01), 16: Timing(6.0, 0.01), 64: Timing(60.0, 0.01)}}
+    plan, rows = choose(MS, timings, {"a": "A", "b": "B"}, _peers(10.0))
+    assert plan == "B"
+    assert [r["path"] for r in rows] == ["kernel", "kernel", "fallback"]
 
 
 def test_prune_keeps_the_cost_model_leader() -> None:
     def entry(rows: int) -> dict:
-        return {"name": f"r{rows}", "format": "nvfp4", "n": 4096, "k": 4096, "n_pad": 4096, "arch": 90,
+        return {"name": f"r{rows}", "format": "nvfp4", "n": 16384, "k": 8192, "n_pad": 16384, "arch": 90,
                 "tile": {"rows": rows, "warp_nt": 1, "warps_n": 2}, "kplan": {"split_k": 1}, "threads": 256}
 
     es = [entry(8), entry(16), entry(64)]

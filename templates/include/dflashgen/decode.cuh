@@ -57,6 +57,37 @@ __device__ __forceinline__ void ld_act_if(uint4& r, const __half* p, bool pred) 
                : "l"(p), "r"(static_cast<int>(pred)));
 }
 
+// sm_80+: 16-byte global -> shared copy that bypasses registers and L1 (cp.async.cg), issued only
+// when `pred`; completion is tracked per committed group (cp_async_commit / cp_async_wait<N>).
+__device__ __forceinline__ void cp_async16_if(void* smem, const void* gmem, bool pred) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;}"
+               :: "r"(s), "l"(gmem), "r"(static_cast<int>(pred)) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// 16 bytes from shared memory (LDS.128). `volatile` keeps it where the caller put it (one B
+// fragment ahead of the MMAs that use it): left free, the compiler hoists every load of a group to
+// its top and holds 4 x NT8 x KSUB registers for them.
+__device__ __forceinline__ uint4 lds128(const uint4* p) {
+  uint4 r;
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(s) : "memory");
+  return r;
+}
+
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 d;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));

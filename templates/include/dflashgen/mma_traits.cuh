@@ -103,6 +103,27 @@ struct Sm80Traits {
     for (int p = 0; p < KSUB; ++p) ld_act_if(x.v[p], row + k0 + 32 * p, pred);
   }
 
+  // X_SMEM (skinny_gemm.cuh): a group's activations staged in shared memory as [rows][XCPR chunks of
+  // 16 B]; chunk c of row r sits at c ^ xs_swizzle(r). NVFP4 rows are 128 B: odd rows swap their
+  // 64-byte halves, so the two rows a quarter-warp reads per LDS.128 (2q, 2q+1) hit disjoint banks;
+  // FP8 rows are 64 B and already do.
+  static constexpr bool HAS_X_SMEM = true;
+  static constexpr int XCPR = KG / 8;
+  __host__ __device__ static constexpr int xs_swizzle(int r) { return XCPR == 8 ? (r & 1) << 2 : 0; }
+  // This lane's chunk of 32-K sub-block p: row b_mrow(), K 32p + 8t .. +7 (the XFrag element p).
+  __device__ static int xs_lane_chunk(int p) { return (4 * p + (threadIdx.x & 3)) ^ xs_swizzle(b_mrow()); }
+
+  // k-steps 2p and 2p + 1 (one 32-K sub-block) with the activations of sub-block p in xv.
+  __device__ static void mma_sub(const Frag& f, const uint4& xv, int p, float (&c)[NACC]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ks = 2 * p + h;
+      const u32 b0 = h ? xv.z : xv.x, b1 = h ? xv.w : xv.y;
+      cute::SM80_16x8x16_F32F16F16F32_TN::fma(c[0], c[1], c[2], c[3], f.a[ks][0], f.a[ks][1], f.a[ks][2],
+                                              f.a[ks][3], b0, b1, c[0], c[1], c[2], c[3]);
+    }
+  }
+
   __device__ static void mma(const Frag& f, const XFrag& x, float (&c)[NACC]) {
 #pragma unroll
     for (int ks = 0; ks < 2 * KSUB; ++ks) {
@@ -144,6 +165,8 @@ struct Sm70Traits {
   static constexpr int NACC = 8;
   static constexpr int SCALE_WORDS = 32;  // u16 per (tile, group): two block scales per lane
   using Scale = u16;
+  static constexpr bool HAS_X_SMEM = false;  // each lane holds a whole K group of its batch row
+  static constexpr int XCPR = KG / 8;
 
   struct Frag {
     u32 a[KSTEPS][2];

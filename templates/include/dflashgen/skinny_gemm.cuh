@@ -30,9 +30,27 @@ struct SkinnyGemm {
   static_assert(G >= WORKERS, "more K workers than K groups");
   static_assert(Cfg::ROWS % 8 == 0, "ROWS must be a multiple of 8");
 
+  // X_SMEM: each K worker (the WARPS_N warps that share its K range) stages its groups' activations
+  // in a shared-memory ring of XST stages, copied once by the worker's threads with cp.async XST - 1
+  // groups ahead, and every warp reads its B fragments from there (LDS.128): no activation
+  // registers held across groups and no load-to-use stall on L1/L2 per group. The ring is dead by
+  // the time the K reduction needs `red`, so they share the storage.
+  static constexpr int XST = Cfg::X_SMEM ? Cfg::STAGES : 1;
+  static constexpr int XCHUNKS = Cfg::ROWS * T::XCPR;      // 16-byte chunks per stage
+  static constexpr int XTHR = 32 * Cfg::WARPS_N;            // copiers: the worker's threads
+  static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
+  static constexpr int XRSTEP = XTHR / T::XCPR;             // rows between a copier's chunks
+
   struct alignas(16) Smem {
-    float red[Cfg::WARPS_K > 1 ? Cfg::WARPS_K - 1 : 1][Cfg::WARPS_N][ACC][32];
+    union {
+      float red[Cfg::WARPS_K > 1 ? Cfg::WARPS_K - 1 : 1][Cfg::WARPS_N][ACC][32];
+      uint4 xs[Cfg::X_SMEM ? Cfg::WARPS_K : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
+    };
   };
+  static_assert(!Cfg::X_SMEM || T::HAS_X_SMEM, "X_SMEM needs a trait with a shared-memory B fragment order");
+  static_assert(!Cfg::X_SMEM || Cfg::STAGES >= 2, "X_SMEM needs >= 2 stages");
+  static_assert(!Cfg::X_SMEM || XTHR % T::XCPR == 0, "a copier's chunks must share one column");
+  static_assert(!Cfg::X_SMEM || T::XCPR != 8 || XRSTEP % 2 == 0, "the swizzle must be the same for all of a copier's rows");
 
   static_assert(Cfg::STAGES <= PAD_GROUPS, "prefetch past a worker's range must stay in the padded stream");
 
@@ -46,6 +64,9 @@ struct SkinnyGemm {
     const int gb = worker * G / WORKERS, ge = (worker + 1) * G / WORKERS;
     const int m0 = blockIdx.x * Cfg::ROWS;
     const bool active = tile0 < TILES;  // TILES % WARP_NT == 0 (checked by the schedule)
+    // X_SMEM: warps past N still copy and meet the ring's barriers; they stream the last tile's
+    // weights (in bounds) and never store.
+    const int tile_w = Cfg::X_SMEM && !active ? TILES - Cfg::WARP_NT : tile0;
 
     float acc[Cfg::WARP_NT][NT8][T::NACC];
 #pragma unroll
@@ -64,14 +85,14 @@ struct SkinnyGemm {
       xrow[j] = x + static_cast<size_t>(m < M ? m : M - 1) * Cfg::K + T::x_lane_offset();
     }
 
-    if (active) {
+    if (active || Cfg::X_SMEM) {
       // Running pointers: per group the weights advance 32 x 16 B, the scales SCALE_WORDS, the
       // activations KG; inside the unrolled block every offset is a compile-time constant.
       const uint4* wp[Cfg::WARP_NT];
       const typename T::Scale* sp[Cfg::WARP_NT];
 #pragma unroll
       for (int i = 0; i < Cfg::WARP_NT; ++i) {
-        const size_t g0 = static_cast<size_t>(tile0 + i) * G + gb;
+        const size_t g0 = static_cast<size_t>(tile_w + i) * G + gb;
         wp[i] = wq + g0 * 32 + lane;
         if constexpr (NVFP4) sp[i] = static_cast<const typename T::Scale*>(wscale) + g0 * T::SCALE_WORDS + T::scale_index();
         else sp[i] = nullptr;
@@ -94,13 +115,16 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
 
+      constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
+      if constexpr (Cfg::X_SMEM) {
+        run_xsmem<U>(x, M, m0, gb, groups, wk, wn, lane, wp, sp, wbuf, sbuf, acc, smem);
+      } else {
       // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
       // their MMAs into the other buffer. Otherwise (large row tiles, where two buffers cost
       // 2 x NT8 x KSUB x 4 registers and occupancy) each group's activations are loaded at the top
       // of its step and other warps hide the latency. A trip covers U groups, U a multiple of 2
       // and of STAGES, so the weight ring slot (u % STAGES) and the activation buffer (u & 1) are
       // compile-time per step and nothing is copied between registers at the back edge.
-      constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
       constexpr int XBUF = Cfg::X_AHEAD ? 2 : 1;
       typename T::XFrag xb[XBUF][NT8];
       if constexpr (Cfg::X_AHEAD) {
@@ -158,10 +182,12 @@ struct SkinnyGemm {
         if (g + u >= groups) break;
         step(u, g + u + 1 < groups);
       }
+      }  // !X_SMEM
     }
 
     // Intra-CTA K reduction in warp order.
     if constexpr (Cfg::WARPS_K > 1) {
+      if constexpr (Cfg::X_SMEM) __syncthreads();  // `red` overlays the other workers' rings
       if (wk > 0) {
         int a = 0;
 #pragma unroll
@@ -212,6 +238,98 @@ struct SkinnyGemm {
           }
         }
     }
+  }
+
+  // The X_SMEM main loop (see Smem): the same groups, k-steps and per-accumulator MMA order as the
+  // register path (group by group, k-steps ascending), so results are bitwise the same.
+  template <int U>
+  __device__ static void run_xsmem(const __half* __restrict__ x, int M, int m0, int gb, int groups, int wk, int wn,
+                                   int lane, const uint4* (&wp)[Cfg::WARP_NT],
+                                   const typename T::Scale* (&sp)[Cfg::WARP_NT],
+                                   uint4 (&wbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   typename T::Scale (&sbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   float (&acc)[Cfg::WARP_NT][NT8][T::NACC], Smem& smem) {
+    static_assert(U % XST == 0, "ring slots must be compile-time per step");
+    uint4(&ring)[XST][Cfg::X_SMEM ? XCHUNKS : 1] = smem.xs[Cfg::X_SMEM ? wk : 0];
+    // Copier: chunk i of this thread is row xr0 + i * XRSTEP, 16-byte column xc. Rows at or past M
+    // are never copied: their stale B columns only feed output columns that are never stored.
+    const int xt = wn * 32 + lane;
+    const int xr0 = xt / T::XCPR, xc = xt % T::XCPR;
+    const int xrows = M - m0;
+    const int dst0 = xr0 * T::XCPR + (xc ^ T::xs_swizzle(xr0));
+    const __half* xcp = x + static_cast<size_t>(m0 + xr0) * Cfg::K + static_cast<size_t>(gb) * T::KG + 8 * xc;
+    auto copy = [&](const int slot, const int koff, const bool more) {
+#pragma unroll
+      for (int i = 0; i < XPER; ++i) {
+        const int r = xr0 + i * XRSTEP;
+        const bool ok = more && r < xrows && (XCHUNKS % XTHR == 0 || r < Cfg::ROWS);
+        cp_async16_if(&ring[slot][dst0 + i * XRSTEP * T::XCPR], xcp + koff + i * XRSTEP * Cfg::K, ok);
+      }
+      cp_async_commit();
+    };
+    // One CTA-wide barrier per group (a named barrier per worker would make ptxas reserve all 16
+    // and cap resident CTAs): the workers walk their ranges in lockstep for `steps` groups, the
+    // most any worker of this CTA has; one with fewer skips its MMAs in that last step.
+    int steps = 0;
+#pragma unroll
+    for (int w = 0; w < Cfg::WARPS_K; ++w) {
+      const int v = blockIdx.z * Cfg::WARPS_K + w;
+      steps = max(steps, (v + 1) * G / WORKERS - v * G / WORKERS);
+    }
+    // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
+    int xoff[T::KSUB];
+#pragma unroll
+    for (int p = 0; p < T::KSUB; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
+
+#pragma unroll
+    for (int s = 0; s < XST - 1; ++s) copy(s, s * T::KG, s < groups);
+
+    // Group a = g + u: wait for its stage (all copiers), refill the slot freed by group a - 1,
+    // decode the weights and refill their ring, MMAs with B from shared memory.
+    auto step = [&](const int u, const int a, const bool tail) {
+      cp_async_wait<XST - 2>();
+      __syncthreads();
+      copy((u + XST - 1) % XST, (u + XST - 1) * T::KG, a + XST - 1 < groups);
+      if (tail && a >= groups) return;  // only in the last trip (full trips end before `groups`)
+      const int s = u % Cfg::STAGES;
+      typename T::Frag frag[Cfg::WARP_NT];
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i) {
+        T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+        wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
+        if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+      }
+      // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
+      const uint4* st = ring[u % XST];
+      uint4 xv = lds128(st + xoff[0]);
+#pragma unroll
+      for (int q = 0; q < T::KSUB * NT8; ++q) {
+        const int p = q / NT8, j = q % NT8;
+        const uint4 cur = xv;
+        if (q + 1 < T::KSUB * NT8) xv = lds128(st + xoff[(q + 1) / NT8] + 8 * ((q + 1) % NT8) * T::XCPR);
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
+      }
+    };
+
+    int g = 0;
+    for (; g + U < steps; g += U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) step(u, g + u, false);
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i) {
+        wp[i] += U * 32;
+        if constexpr (NVFP4) sp[i] += U * T::SCALE_WORDS;
+      }
+      xcp += U * T::KG;
+      asm volatile("" : "+l"(xcp));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (g + u >= steps) break;
+      step(u, g + u, true);
+    }
+    cp_async_wait<0>();
   }
 
   // Split-K combine: partials summed in split order, then the epilogue. One thread per output.
