@@ -160,19 +160,22 @@ class QuantLinear(torch.nn.Module):
         return dequantize_packed(self.packed())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = self._library
+        if (lib is not None and type(x) is torch.Tensor and x.dim() == 2 and x.is_cuda and x.is_floating_point()
+                and x.shape[1] == self.layout.k and x.is_contiguous() and not torch.compiler.is_compiling()):
+            # Eager fast path, the decode loop's call: a contiguous [M, K] goes straight to the launch
+            # the op makes, minus the dispatcher round trip and the reshapes (each view costs ~1-2 us
+            # of host time). torch.compile, export and tensor subclasses (fake tensors) still see the
+            # opaque custom op.
+            return lib.gemm(x, self.packed())
         k = self.layout.k
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        lib = self._library
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
         if lib is not None and type(x2) is torch.Tensor and x2.is_cuda and not torch.compiler.is_compiling():
-            # Eager fast path: the same launch the op makes, minus the dispatcher round trip (the
-            # largest share of the host cost). torch.compile, export and tensor subclasses (fake
-            # tensors) still see the opaque custom op.
-            y = lib.gemm(x2, self.packed())
-            return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
+            return lib.gemm(x2, self.packed()).reshape(*lead, self.out_features)
         y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
         return y.reshape(*lead, self.out_features)
 
