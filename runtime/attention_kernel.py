@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from functools import cache
 from typing import Any
 
@@ -59,17 +58,9 @@ def attention_entries() -> tuple[dict[str, Any], ...]:
 
 def kernel_arch(device: torch.device, arch: int | None = None) -> int:
     """Which build serves this GPU: 90 / 80 / 70, or ``arch`` / $DFLASHGEN_ATTN_ARCH when given."""
-    if arch is None and os.environ.get("DFLASHGEN_ATTN_ARCH"):
-        arch = int(os.environ["DFLASHGEN_ATTN_ARCH"])
-    major, minor = torch.cuda.get_device_capability(device)
-    cc = 10 * major + minor
-    if arch is not None:
-        if arch > cc:
-            _fail(f"sm_{arch} kernels cannot run on this sm_{cc} GPU")
-        return arch
-    if cc < 70:
-        _fail(f"sm_{cc} GPUs are not supported (sm_70 or newer)")
-    return 90 if cc >= 90 else 80 if cc >= 80 else 70
+    from .images import serving_arch
+
+    return serving_arch(device, arch, "DFLASHGEN_ATTN_ARCH", AttentionInputError)
 
 
 def select_kernel(arch: int, hq: int, hkv: int, d: int, kv: str, page: int, name: str | None = None) -> dict[str, Any]:

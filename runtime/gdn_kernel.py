@@ -26,7 +26,6 @@ narrowed to a batch). T <= 16, dv % 4 == 0, dk a generated key dim. No host sync
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from typing import Any
 
@@ -166,17 +165,9 @@ def _aligned(*states: Tensor | None) -> None:
 
 def kernel_arch(device: torch.device, arch: int | None = None) -> int:
     """90 / 80 / 70 for this GPU, or ``arch`` / $DFLASHGEN_GDN_ARCH (70: the compute_70 PTX via the JIT)."""
-    if arch is None and os.environ.get("DFLASHGEN_GDN_ARCH"):
-        arch = int(os.environ["DFLASHGEN_GDN_ARCH"])
-    major, minor = torch.cuda.get_device_capability(device)
-    cc = 10 * major + minor
-    if arch is not None:
-        if arch > cc:
-            _fail(f"sm_{arch} kernels cannot run on this sm_{cc} GPU")
-        return arch
-    if cc < 70:
-        _fail(f"sm_{cc} GPUs are not supported (sm_70 or newer)")
-    return 90 if cc >= 90 else 80 if cc >= 80 else 70
+    from .images import serving_arch
+
+    return serving_arch(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError)
 
 
 @cache

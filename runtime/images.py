@@ -138,3 +138,22 @@ def load_module(entry: dict[str, Any], device_index: int) -> Any:
         img = resolve(entry, major * 10 + minor)
         _MODULES[key] = Module(img.path.read_bytes(), str(img.path))
     return _MODULES[key]
+
+
+def serving_arch(device: Any, arch: int | None, env: str, error: type[Exception]) -> int:
+    """Which build of a kernel family serves this GPU: 90 / 80 / 70, or ``arch`` / ``$env`` when given
+    (70 on a newer GPU: the compute_70 PTX through the driver's JIT, how sm_70 code is checked).
+    Raises ``error`` for an arch the GPU cannot run or a GPU older than sm_70."""
+    import torch
+
+    if arch is None and os.environ.get(env):
+        arch = int(os.environ[env])
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = 10 * major + minor
+    if arch is not None:
+        if arch > cc:
+            raise error(f"sm_{arch} kernels cannot run on this sm_{cc} GPU")
+        return arch
+    if cc < 70:
+        raise error(f"sm_{cc} GPUs are not supported (sm_70 or newer)")
+    return 90 if cc >= 90 else 80 if cc >= 80 else 70

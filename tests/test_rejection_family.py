@@ -108,6 +108,27 @@ def _radix(keys: torch.Tensor, w: torch.Tensor, lo: int, rank: int, target: floa
     return prefix
 
 
+def _accepted(desc: list, drafts, u, b: int, d: int, greedy: bool, override, q) -> int:
+    """Accepted drafts of request b from its per-position (cut, z, w_draft, argmax, ...) tuples: the
+    kernels' test, in integer weights (``u * z < w`` without draft probs, else ``u * q * z <= w``)."""
+    n = 0
+    while n < d:
+        _, z, wd, argmax = desc[n][:4]
+        xi, ua = int(drafts[b, n]), float(u.accept[b, n])
+        if greedy:
+            ok = xi == argmax
+        elif override is not None:
+            ok = bool(override[b, n])
+        elif q is None:
+            ok = ua * z < wd
+        else:
+            ok = wd > 0 and ua * float(q[b, n, xi]) * z <= wd
+        if not ok:
+            break
+        n += 1
+    return n
+
+
 def _mirror(drafts, logits, params, u, q=None, override=None, vocab_spec: int | None = None):
     """A line-by-line Python port of describe + decide (no sorting, radix selects, integer weights)."""
     b_n, d = drafts.shape
@@ -140,21 +161,7 @@ def _mirror(drafts, logits, params, u, q=None, override=None, vocab_spec: int | 
                 if int(keys[xi]) >= cut:
                     wd = 1 if greedy else int(w[xi])
             desc.append((cut, z, wd, argmax, keys, w))
-        n = 0
-        while n < d:
-            cut, z, wd, argmax, _, _ = desc[n]
-            xi, ua = int(drafts[b, n]), float(u.accept[b, n])
-            if greedy:
-                ok = xi == argmax
-            elif override is not None:
-                ok = bool(override[b, n])
-            elif q is None:
-                ok = ua * z < wd
-            else:
-                ok = wd > 0 and ua * float(q[b, n, xi]) * z <= wd
-            if not ok:
-                break
-            n += 1
+        n = _accepted(desc, drafts, u, b, d, greedy, override, q)
         cut, z, _, argmax, keys, w = desc[n]
         token = argmax
         if not greedy:
@@ -295,21 +302,7 @@ def _mirror_candidates(drafts, logits, params, u, q=None, override=None, vocab_s
                 if int(keys[xi]) >= cut:
                     wd = 1 if greedy else int((torch.exp(x[xi] - vmax) * 4294967296.0).floor())
             desc.append((cut, z, wd, argmax, x, vmax, cand))
-        n = 0
-        while n < d:
-            cut, z, wd, argmax = desc[n][:4]
-            xi, ua = int(drafts[b, n]), float(u.accept[b, n])
-            if greedy:
-                ok = xi == argmax
-            elif override is not None:
-                ok = bool(override[b, n])
-            elif q is None:
-                ok = ua * z < wd
-            else:
-                ok = wd > 0 and ua * float(q[b, n, xi]) * z <= wd
-            if not ok:
-                break
-            n += 1
+        n = _accepted(desc, drafts, u, b, d, greedy, override, q)
         cut, z, _, argmax, x, vmax, cand = desc[n]
         token = argmax
         if not greedy:
