@@ -25,7 +25,7 @@ import torch
 from .driver import current_stream
 from .driver import ptr_arg as _ptr
 from .host import tensor_on, to_device
-from .images import family_entries, load_module
+from .images import family_entries, load_module, serving_arch
 from .sampling import SamplingParams, Uniforms, VerifyResult
 
 __all__ = ["DESC_BYTES", "CompactSampler", "compact_verify"]
@@ -57,8 +57,7 @@ class CompactSampler:
         self.device = device
         idx = device.index if device.index is not None else torch.cuda.current_device()
         self.device_index = idx
-        major, minor = torch.cuda.get_device_capability(idx)
-        self.arch = arch if arch is not None else 10 * major + minor
+        self.arch = serving_arch(idx, arch, "DFLASHGEN_REJECTION_ARCH", ValueError)  # e.g. sm_86 -> the sm_80 build
         self.entries = {n: e for n, e in family_entries("rejection").items() if e["arch"] == self.arch}
         self._fns: dict[str, tuple[Any, Any, Any]] = {}
 
