@@ -16,6 +16,7 @@ the sm_90 kernels, sm_8x the sm_80 ones, sm_7x the sm_70 ones; ``DFLASHGEN_ATTN_
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from functools import cache
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from .driver import current_stream
+
+log = logging.getLogger("dflashgen")
 
 __all__ = [
     "AttentionInputError",
@@ -283,6 +286,13 @@ def _dense_table(batch: int, blocks: int, device: torch.device) -> torch.Tensor:
 DENSE_PAGE = 16
 
 
+@cache
+def _warn_reference(what: str) -> None:
+    # Once per cache shape: on a GPU the FP32 reference is a slow path, never a silent one.
+    log.warning("dflashgen: no verify-attention kernel for %s (needs a contiguous FP16/FP8 cache of whole "
+                "%d-token pages and served heads): using the FP32 reference", what, DENSE_PAGE)
+
+
 def dense_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            lengths: torch.Tensor) -> torch.Tensor | None:
     """Verify attention over contiguous per-request caches ``[B, max_len, Hkv, D]`` (the target model's
@@ -293,6 +303,9 @@ def dense_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, max_len, hkv, _ = k_cache.shape
     if (max_len % DENSE_PAGE or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or not kernel_supported(q.device, hq, hkv, d, k_cache.dtype, DENSE_PAGE)):
+        if q.is_cuda:
+            _warn_reference(f"cache [{b}, {max_len}, {hkv}, {d}] {k_cache.dtype}"
+                            f"{'' if k_cache.is_contiguous() else ' (non-contiguous)'}")
         return None
     blocks = max_len // DENSE_PAGE
     kp = k_cache.view(b * blocks, DENSE_PAGE, hkv, d)

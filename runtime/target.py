@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from dflashgen.deployment import Deployment
 from dflashgen.model import FULL, ModelConfig
 
-from .attention_kernel import dense_verify_attention
+from .attention_kernel import DENSE_PAGE, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_step, per_value_head
 from .library import KernelLibrary
@@ -487,6 +487,9 @@ class TargetModel(torch.nn.Module):
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         # FP16 KV on a GPU: what the generated verify-attention kernels read (FP32 reference on CPU).
         kv = torch.float16 if torch.device(self.device).type == "cuda" else torch.float32
+        # Whole 16-token pages: the kernels view the cache as a paged one (dense_verify_attention);
+        # a ragged tail would send every layer to the FP32 reference.
+        max_len = -(-max_len // DENSE_PAGE) * DENSE_PAGE
         return DecodeState(self.cfg, batch, max_len, self.device, kv, tp=self.tp)
 
     def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:

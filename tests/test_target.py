@@ -235,3 +235,11 @@ def test_unfused_mlp_and_other_formats(ckpt: Path, model: TargetModel, tmp_path:
     st = m.new_state(1, MAX_LEN)
     steps = torch.cat([m(toks[:, j:j + 1], st) for j in range(toks.shape[1])], dim=1)
     assert float(rel_l2(steps, full)) < 1e-4
+
+
+def test_state_caches_hold_whole_kernel_pages(model: TargetModel) -> None:
+    # The decoder asks for max_len + num_draft positions (e.g. 1536 + 7): the caches must still be
+    # whole 16-token pages, or every full-attention layer would fall back to the FP32 reference.
+    st = model.new_state(2, 1543)
+    assert st.max_len == 1552
+    assert all(k.shape[1] % 16 == 0 for k in st.k.values()) and st.k
