@@ -178,23 +178,47 @@ def _weights(x: torch.Tensor) -> torch.Tensor:
     return (torch.exp(x - x.amax(-1, keepdim=True)) * FIXED_SCALE).floor().long()
 
 
-def _kept(x: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
-    """(kept mask [B, T, V], descending order): top-k, then top-p on the top-k set. Ranking by scaled
-    logit, ties by lower id; top-p keeps the smallest prefix whose fixed-point mass before it is
-    below top_p times the top-k mass (exact integer prefix sums; top_p compared as float32 x int64
-    in float64)."""
+TOPK_FAST_MAX = 1024  # a batch whose rows all need <= this many ranks is ranked by an exact top-k
+
+
+def _rank_cap(params: Sequence[SamplingParams], vocab: int) -> int:
+    """Ranks every row needs (greedy rows: 1, top-k rows: top_k) when all are <= TOPK_FAST_MAX and
+    below the vocabulary, else 0 (rank the whole vocabulary). Host values only: no device sync."""
+    ks = [1 if sp.greedy else sp.top_k for sp in params]
+    cap = max(ks, default=0)
+    return cap if cap < vocab and all(0 < k <= TOPK_FAST_MAX for k in ks) else 0
+
+
+def _ranked(x: torch.Tensor, cap: int) -> torch.Tensor:
+    """Token ids by descending scaled logit, ties by lower id: all V (stable sort), or the first
+    ``cap`` through top-k on a unique int64 key (order-preserving int32 image of the float32 logit,
+    then V - 1 - id), which is the same order without sorting the whole vocabulary."""
+    if not cap:
+        return torch.sort(x, dim=-1, descending=True, stable=True)[1]
+    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, equal logits get equal keys
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32  # negative floats: reversed order
+    v = x.shape[-1]
+    key = key + (v - 1 - torch.arange(v, device=x.device))
+    return torch.topk(key, cap, dim=-1, largest=True, sorted=True)[1]
+
+
+def _kept(x: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+          cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept mask [B, T, V], descending order [B, T, V or cap]): top-k, then top-p on the top-k set.
+    Ranking by scaled logit, ties by lower id; top-p keeps the smallest prefix whose fixed-point mass
+    before it is below top_p times the top-k mass (exact integer prefix sums; top_p compared as
+    float32 x int64 in float64). ``cap`` (:func:`_rank_cap`): every row keeps at most that many
+    ranks, so only those are ranked; the mask is bitwise the same."""
     B, T, V = x.shape
-    # Stable descending sort: equal logits keep ascending id order, so every tie is decided by id.
-    _, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=x.device)
-    keep = (rank < torch.where(top_k == 0, V, top_k).view(B, 1, 1)).expand(B, T, V)
+    order = _ranked(x, cap)
+    rank = torch.arange(order.shape[-1], device=x.device)
+    keep = (rank < torch.where(top_k == 0, V, top_k).view(B, 1, 1)).expand(B, T, -1)
     ws = w.gather(-1, order).masked_fill(~keep, 0)
     mass_before = ws.cumsum(-1) - ws
     limit = top_p.double().view(B, 1, 1) * ws.sum(-1, keepdim=True).double()
     # top_p == 1 is "off" explicitly (no rounding can cut the tail).
     keep = keep & ((mass_before.double() < limit) | (top_p >= 1).view(B, 1, 1))
-    return torch.zeros_like(keep).scatter(-1, order, keep), order
+    return torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, keep), order
 
 
 def target_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +229,7 @@ def target_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tu
     Greedy rows: weight 1 at the argmax (lowest id among ties)."""
     x, top_k, top_p, greedy = _scaled(logits, params)
     w = _weights(x)
-    mask, order = _kept(x, w, top_k, top_p)
+    mask, order = _kept(x, w, top_k, top_p, _rank_cap(params, x.shape[-1]))
     w = w.masked_fill(~mask, 0)
     one_hot = torch.nn.functional.one_hot(order[..., 0], x.shape[-1])
     w = torch.where(greedy.view(-1, 1, 1), one_hot, w)
@@ -220,7 +244,7 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     distribution). Greedy requests get a one-hot at the argmax (lowest id among ties).
     """
     x, top_k, top_p, greedy = _scaled(logits, params)
-    mask, order = _kept(x, _weights(x), top_k, top_p)
+    mask, order = _kept(x, _weights(x), top_k, top_p, _rank_cap(params, x.shape[-1]))
     probs = torch.softmax(x.masked_fill(~mask, -math.inf), dim=-1)
     one_hot = torch.nn.functional.one_hot(order[..., 0], x.shape[-1]).to(torch.float32)
     return torch.where(greedy.view(-1, 1, 1), one_hot, probs)

@@ -299,3 +299,29 @@ def test_shape_dtype_and_batch_errors() -> None:
         target_probs(logits[0], [PLAIN])
     with pytest.raises(ValueError, match="NaN"):
         target_probs(torch.full((1, 1, 4), float("nan")), [PLAIN])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topk_ranking_equals_full_sort(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches whose rows all keep <= TOPK_FAST_MAX ranks are ranked by an exact top-k on an int64 key;
+    masks, probabilities and weights are bitwise those of the full stable sort, ties (many here:
+    coarse logits, -0.0 vs +0.0, -inf) and mixed greedy rows included."""
+    from dflashgen.runtime import sampling
+
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 6, 3, 3001
+    logits = (torch.randn(B, T, V, generator=g) * 4).round() / 2  # coarse: many equal logits
+    logits[0, 0, :50] = -0.0
+    logits[1, 1, 100:] = -math.inf
+    params = [SamplingParams(top_k=20, top_p=0.95, temperature=0.7), SamplingParams(top_k=1),
+              SamplingParams(temperature=0.0), SamplingParams(top_k=128, top_p=0.5),
+              SamplingParams(top_k=7, temperature=1.3), SamplingParams(top_k=128, top_p=1.0)]
+    assert sampling._rank_cap(params, V) == 128
+    fast = (target_probs(logits, params), *sampling.target_weights(logits, params))
+    monkeypatch.setattr(sampling, "TOPK_FAST_MAX", 0)  # every row through the full sort
+    assert sampling._rank_cap(params, V) == 0
+    full = (target_probs(logits, params), *sampling.target_weights(logits, params))
+    for a, b in zip(fast, full, strict=True):
+        assert torch.equal(a, b)
+    assert sampling._rank_cap([SamplingParams(top_k=5), SamplingParams()], V) == 0  # top_k off: all V
+    assert sampling._rank_cap([SamplingParams(top_k=V)], V) == 0
