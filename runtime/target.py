@@ -598,9 +598,10 @@ class TargetModel(torch.nn.Module):
         rows = torch.arange(b, device=x.device)[:, None]
         kc[rows, pos] = k.to(kc.dtype)
         vc[rows, pos] = v.view(b, t, nkv, d).to(vc.dtype)
-        # The generated verify-attention kernel on CUDA (FP16/FP8 cache); the FP32 reference elsewhere.
-        # Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
-        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1)
+        # The generated verify-attention kernel on CUDA (FP16/FP8 cache) for decode / verify forwards;
+        # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
+        # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
+        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= VERIFY_ROWS else None
         o = (self._attend(q, kc, vc, pos) if out is None else out).reshape(b, t, nh * d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -733,6 +734,7 @@ class TargetModel(torch.nn.Module):
         return o
 
 
+VERIFY_ROWS = 8  # query rows per request the verify-attention kernels serve in one launch
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only
 # Longer inputs (prefill) run in chunks of this size through a triangular solve. Eager prefill is
 # launch-bound (~45 launches per chunk and layer), so chunks are long; every decay term is
