@@ -453,7 +453,7 @@ def test_bench_markdown_renders_a_report() -> None:
     row = {"heads": "tp4", "hq": 6, "hkv": 1, "ctx": 1024, "B": 2, "ours_us": 10.0, "roofline_frac": 0.5,
            "best_schedule_frac": 0.6, "per_request_us": 12.0, "sdpa_flash_us": 11.0, "sdpa_flash_mask": "causal",
            "sdpa_efficient_us": None, "sdpa_efficient_error": "no GQA", "best_baseline": "sdpa_flash_us",
-           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0, "dfg_attn_y": 12.5}}
+           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0, "dfg_attn_y": 12.5}, "default": "dfg_attn_x"}
     row16 = {**row, "ctx": 16384, "roofline_us": 5.0}
     md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
                    "seconds": 30.0, "rows": [row, row16]})
@@ -462,6 +462,12 @@ def test_bench_markdown_renders_a_report() -> None:
     # The race summary: y is 1.25x the default at both points, slower than SDPA flash (11 us) at both.
     assert "| tp4 | `dfg_attn_x` | 1.00 | 1.00 | 2/2 | 0/2 | 50% |" in md
     assert "| tp4 | `dfg_attn_y` | 1.25 | 1.25 | 0/2 | 2/2 | 40% |" in md
+    assert "Split rule effect" not in md  # the default has no rule: no twin to compare with
+    ruled = {**row, "default": "dfg_attn_x_sp128_le2048s32", "schedules": {"dfg_attn_x_sp128_le2048s32": 10.0,
+                                                                          "dfg_attn_x_sp128": 20.0}}
+    md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
+                   "seconds": 30.0, "rows": [ruled]})
+    assert "| tp4 | 1024 | 2 | 10.0 | 20.0 | 0.50 | 11.0 |" in md
 
 
 class _Recorder:
