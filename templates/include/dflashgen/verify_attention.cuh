@@ -561,20 +561,40 @@ struct VerifyAttention {
       const int size = Cfg::split_for(len), ns = (len + size - 1) / size;
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
       const float* ml = part_ml + (slot0 * ROWS_ALL + r) * 2;
+      // Chunks of MCH splits: all of a chunk's loads issue before the first use. (`#pragma unroll 16` over
+      // a runtime count left ns % 16 splits to a rolled remainder loop, one L2 round trip per split:
+      // every split of a request with < 16 splits, i.e. all short requests.) Same order, same bits.
+      constexpr int MCH = 16;
       float mx = -DFG_INF;
-#pragma unroll 16  // independent loads in flight: the grid gives ~12 warps/SM, so the loop is latency-bound
-      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS_ALL * 2]);
+      for (int s0 = 0; s0 < ns; s0 += MCH) {
+        float m[MCH];
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) m[j] = s0 + j < ns ? ml[(s0 + j) * ROWS_ALL * 2] : -DFG_INF;
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) mx = fmaxf(mx, m[j]);  // max with -inf: a no-op for the tail
+      }
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16  // 16 float4 loads in flight per thread (ncu at 16K B4: 85% L1TEX stalls with 8)
-      for (int s = 0; s < ns; ++s) {
-        const float w = exp2f(ml[s * ROWS_ALL * 2] - mx);  // split 0 holds position 0: mx is finite
-        den += ml[s * ROWS_ALL * 2 + 1] * w;
-        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS_ALL + r) * D + 4 * threadIdx.x);
-        num.x += x.x * w;
-        num.y += x.y * w;
-        num.z += x.z * w;
-        num.w += x.w * w;
+      for (int s0 = 0; s0 < ns; s0 += MCH) {
+        float2 p[MCH];
+        float4 x[MCH];
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) {
+          const bool ok = s0 + j < ns;
+          p[j] = ok ? *reinterpret_cast<const float2*>(ml + (s0 + j) * ROWS_ALL * 2) : make_float2(0.0f, 0.0f);
+          x[j] = ok ? *reinterpret_cast<const float4*>(part_o + ((slot0 + s0 + j) * ROWS_ALL + r) * D + 4 * threadIdx.x)
+                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) {
+          if (s0 + j >= ns) break;
+          const float w = exp2f(p[j].x - mx);  // split 0 holds position 0: mx is finite
+          den += p[j].y * w;
+          num.x += x[j].x * w;
+          num.y += x[j].y * w;
+          num.z += x[j].z * w;
+          num.w += x[j].w * w;
+        }
       }
       const float f = v_scale / den;
       res = make_float4(num.x * f, num.y * f, num.z * f, num.w * f);
