@@ -3,7 +3,8 @@ through templates/verify_attention.cu.j2 (registered in ``render.FAMILY_MODULES`
 
 Head counts come from the models and TP degrees in schedules/targets.yaml (query heads / TP; KV heads
 / TP, at least 1: a KV head is replicated when there are fewer than ranks). Names encode every
-parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_sp512``.
+parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds2_sp512_le2048s64_le8192s128`` (the
+split rule: 64-token splits up to 2048 tokens, 128 up to 8192, else 512; see runtime/split_rule.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import yaml
 
 from . import __version__
 from .render import FamilyKernel, _env, load_targets
+from .runtime.split_rule import SplitRule
 
 FAMILY = "attention"
 KV_DTYPES = ("fp16", "e5m2", "e4m3")
@@ -41,13 +43,19 @@ class AttnSpec:
     kvg: int = 1  # token groups of warps per CTA (each a tile of every stage)
     hs: int = 1  # CTAs per (request, KV head, split), each a part of the group's query rows
     ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
+    short: tuple[tuple[int, int], ...] = ()  # split rule tiers (max length, split) below `split`
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
-                f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}_sp{self.split}")
+                f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}_{self.rule.tag}")
+
+    @property
+    def rule(self) -> SplitRule:
+        """A request's split size from its own length (the kernel renders the same rule as constants)."""
+        return SplitRule(self.split, self.short)
 
     @property
     def rows(self) -> int:
@@ -90,6 +98,7 @@ class AttnSpec:
     def meta(self) -> dict[str, Any]:
         m = asdict(self)
         m["serves"] = list(self.serves)
+        m["short"] = [list(t) for t in self.short]
         m.update(threads=self.threads, smem=self.smem, rows=self.rows, cta_rows=self.cta_rows,
                  min_blocks=self.min_blocks)
         return m
@@ -119,6 +128,10 @@ def target_heads() -> dict[tuple[int, int, int], set[str]]:
 
 
 def check(spec: AttnSpec, smem_limit: int) -> None:
+    try:  # first: the name encodes the rule
+        rule = spec.rule
+    except ValueError as e:
+        raise AttnScheduleError(f"sm_{spec.arch} h{spec.hq}kv{spec.hkv} t{spec.tile} g{spec.kvg}: {e}") from None
     if spec.hq % spec.hkv or spec.rows % 16:
         raise AttnScheduleError(f"{spec.name}: query rows per KV group ({spec.rows}) must be a multiple of 16")
     if spec.hs < 1 or spec.rows % (16 * spec.hs):
@@ -127,8 +140,9 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
         raise AttnScheduleError(f"{spec.name}: the kernel's accumulator layout is written for head_dim 256")
     if spec.ds not in (1, 2, 4) or spec.tile % (16 * spec.ds) or (spec.ds > 1 and spec.threads // 32 // spec.ds > 15):
         raise AttnScheduleError(f"{spec.name}: the D split needs tile % (16 x ds) == 0 and <= 15 warp teams")
-    if spec.split % (spec.tile * spec.kvg) or spec.tile % 16 or spec.page & (spec.page - 1):
-        raise AttnScheduleError(f"{spec.name}: split % (tile x groups), tile % 16 and a power-of-two page "
+    sizes = [rule.split, *(sp for _, sp in rule.tiers)]
+    if any(sp % (spec.tile * spec.kvg) for sp in sizes) or spec.tile % 16 or spec.page & (spec.page - 1):
+        raise AttnScheduleError(f"{spec.name}: every split % (tile x groups), tile % 16 and a power-of-two page "
                                 "are required")
     kv_bytes, tt = (2 if spec.kv == "fp16" else 1), spec.tile * spec.kvg
     idle = (spec.cta_rows * spec.d * 2 + spec.stages * 2 * tt * spec.d * kv_bytes  # Q + stages (+ FP8 decode)
@@ -137,6 +151,20 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
         raise AttnScheduleError(f"{spec.name}: the token groups' combine buffer exceeds the Q and stage buffers")
     if spec.smem > smem_limit:
         raise AttnScheduleError(f"{spec.name}: {spec.smem} B shared memory exceeds sm_{spec.arch}'s {smem_limit}")
+
+
+def _tiers(rules: dict[Any, Any] | None, hkv: int) -> tuple[tuple[int, int], ...]:
+    """A variant's split-rule tiers for this KV-head count: ``{kv_heads: [[max_len, split], ...]}``."""
+    if not isinstance(rules, dict):
+        if rules is None:
+            return ()
+        raise AttnScheduleError(f"split rule tiers must be a mapping {{kv_heads: [[max_len, split], ...]}}, "
+                                f"got {rules!r}")
+    try:
+        return tuple((int(a), int(b)) for a, b in rules.get(hkv) or ())
+    except (TypeError, ValueError):
+        raise AttnScheduleError(f"split rule tiers for {hkv} KV heads: want [[max_len, split], ...], "
+                                f"got {rules.get(hkv)!r}") from None
 
 
 def specs() -> list[AttnSpec]:
@@ -149,6 +177,9 @@ def specs() -> list[AttnSpec]:
             a = sch["archs"][arch]
             # One served schedule per (arch, KV heads): `default_for` overrides `default` per KV-head count.
             served = a.get("default_for", {}).get(hkv, a["default"])
+            # The served schedule takes the top-level `short_splits` rule unless it names its own
+            # `short`; benchmark extras keep a fixed split unless they name one.
+            served = {"short": sch.get("short_splits"), **served}
             variants = [(served, True)] + [(v, False) for v in a.get("extra", [])]
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
@@ -158,7 +189,8 @@ def specs() -> list[AttnSpec]:
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
                                         int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)),
-                                        ds=int(var.get("ds", 1)), default=default,
+                                        ds=int(var.get("ds", 1)), short=_tiers(var.get("short"), hkv),
+                                        default=default,
                                         serves=tuple(sorted(users)))
                         check(spec, int(a["smem_limit"]))
                         out.setdefault(spec.name, spec)  # an extra equal to the served schedule stays default
@@ -171,7 +203,7 @@ def render(spec: AttnSpec) -> str:
         version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.arch, mma=mma_name,
         mma_struct=mma_struct, hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
         kv=spec.kv, kv_enum=KV_ENUM[spec.kv], page=spec.page, tile=spec.tile, stages=spec.stages, split=spec.split,
-        kvg=spec.kvg, hs=spec.hs, ds=spec.ds, min_blocks=spec.min_blocks,
+        kvg=spec.kvg, hs=spec.hs, ds=spec.ds, min_blocks=spec.min_blocks, short=spec.short,
         threads=spec.threads, smem=spec.smem, rows=spec.rows,
     )
 

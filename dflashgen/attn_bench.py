@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,6 +178,23 @@ def race_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def rule_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The served schedule's split rule per (heads, ctx, B): its time vs its fixed-split twin's (the same
+    schedule without the ``_le<len>s<split>`` tiers, raced as a candidate), and the best baseline."""
+    out = ["Split rule effect (served schedule vs the same schedule at its fixed split):", "",
+           "| heads | ctx | B | with rule us | fixed split us | ratio | best baseline us |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        twin = re.sub(r"(_le\d+s\d+)+$", "", r["default"])
+        if twin == r["default"] or twin not in r["schedules"]:
+            continue
+        base = min((v for k in ("per_request_us", "sdpa_flash_us", "sdpa_efficient_us") if (v := r.get(k))),
+                   default=None)
+        out.append(f"| {r['heads']} | {r['ctx']} | {r['B']} | {_us(r['ours_us'])} | {_us(r['schedules'][twin])} "
+                   f"| {r['ours_us'] / r['schedules'][twin]:.2f} | {_us(base)} |")
+    return out if len(out) > 4 else []
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Grouped verification attention on {rep['gpu']} (sm_{rep['kernel_arch']} kernels)", "",
              f"FP16 KV, page {rep['page']}, {rep['nq']} verify rows, head_dim {rep['head_dim']}; "
@@ -197,6 +215,8 @@ def markdown(rep: dict[str, Any]) -> str:
                 if n in r["schedules"]]
         lines.append(f"- `{n}`: " + ", ".join(vals))
     lines += ["", *race_table(rep["rows"])]
+    if rule := rule_table(rep["rows"]):
+        lines += ["", *rule]
     masks = {r.get("sdpa_flash_mask") for r in rep["rows"]} | {r.get("sdpa_efficient_mask") for r in rep["rows"]}
     errs = {r.get(k) for r in rep["rows"] for k in ("sdpa_flash_error", "sdpa_efficient_error") if r.get(k)}
     lines += ["", f"SDPA masks used: {sorted(m for m in masks if m)}; errors: {sorted(errs) or 'none'}", ""]

@@ -6,7 +6,9 @@ position ``L_b - Q + i`` and attends to cached positions ``0 .. L_b - Q + i`` (c
 block). Query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA).
 
 ``split_tokens`` selects the batch-invariant split-KV algorithm the kernel implements: splits start
-at multiples of ``split_tokens`` from position 0 (so they depend only on the request itself), each
+at multiples of ``split_tokens`` from position 0, or, given a :class:`SplitRule` (the kernel's
+length-adaptive rule), of the size the rule gives for the request's own length (so they depend
+only on the request itself), each
 split yields FP32 ``(max, sum, acc)`` per row and head, and the splits are merged in ascending
 order. It equals the unsplit reference up to FP32 rounding; ``SPLIT_RTOL`` / ``SPLIT_ATOL`` state
 the tolerance (``atol`` relative to ``max |V|``) the tests check, for ``L <= 300``; it is meant as
@@ -28,7 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SPLIT_ATOL", "SPLIT_RTOL", "PagedKVCache", "verify_attention", "verify_attention_reference"]
+from .split_rule import SplitRule
+
+__all__ = ["SPLIT_ATOL", "SPLIT_RTOL", "PagedKVCache", "SplitRule", "verify_attention", "verify_attention_reference"]
 
 CACHE_DTYPES = (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -235,12 +239,14 @@ def verify_attention_reference(
     req_ids: Sequence[int],
     *,
     scale: float | None = None,
-    split_tokens: int | None = None,
+    split_tokens: int | SplitRule | None = None,
 ) -> torch.Tensor:
     """Causal verify attention of ``q`` ``[B, Q, Hq, D]`` over each request's cache -> FP32 ``[B, Q, Hq, D]``.
 
     ``scale`` defaults to ``1 / sqrt(D)``; scores are ``(q . k) * scale`` in FP32. Requests are
     computed one at a time, so the result for one request never depends on the rest of the batch.
+    ``split_tokens``: None (one softmax), a fixed split size, or a :class:`SplitRule` (the split size
+    from each request's own length, as the kernel does).
     """
     if q.dtype not in _INPUT_DTYPES:
         raise TypeError(f"q must be a float tensor ({_INPUT_DTYPES}), got {q.dtype}")
@@ -257,8 +263,9 @@ def verify_attention_reference(
         raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
     if d != cache.head_dim:
         raise ValueError(f"q head_dim {d} != cache head_dim {cache.head_dim}")
-    if split_tokens is not None and (not isinstance(split_tokens, int) or split_tokens <= 0):
-        raise ValueError(f"split_tokens must be a positive int, got {split_tokens!r}")
+    if split_tokens is not None and not isinstance(split_tokens, SplitRule) and (
+            not isinstance(split_tokens, int) or isinstance(split_tokens, bool) or split_tokens <= 0):
+        raise ValueError(f"split_tokens must be a positive int or a SplitRule, got {split_tokens!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     group = hq // hkv
     out = torch.empty(nb, nq, hq, d, dtype=torch.float32)
@@ -275,7 +282,8 @@ def verify_attention_reference(
             p = torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1)
             o = torch.einsum("hql,lhd->hqd", p, v)
         else:
-            o = _split_attention(qb, k, v, scale, split_tokens)
+            size = split_tokens(n) if isinstance(split_tokens, SplitRule) else split_tokens
+            o = _split_attention(qb, k, v, scale, size)
         out[b] = o.transpose(0, 1)
     return out
 

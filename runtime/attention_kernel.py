@@ -7,8 +7,9 @@ lengths ``[B]`` on the device -> FP32 ``[B, nq, Hq, D]``. Query row i of request
 ``lengths[b] - nq + i`` (the new tokens are already in the cache). Everything is launched on torch's
 current stream from device tensors, so a CUDA graph captured once replays with new lengths and tables.
 
-Kernel choice depends only on (GPU arch, heads, head_dim, KV dtype, page size), never on the batch,
-so the split size is fixed and a request's output is bitwise the same in any batch. sm_9x GPUs run
+Kernel choice depends only on (GPU arch, heads, head_dim, KV dtype, page size), never on the batch;
+the kernel's split rule (``entry_rule``) gives each request a split size from its own length, so a
+request's output is bitwise the same in any batch. sm_9x GPUs run
 the sm_90 kernels, sm_8x the sm_80 ones, sm_7x the sm_70 ones; ``DFLASHGEN_ATTN_ARCH=70`` (or
 ``arch=70``) runs the sm_70 build's compute_70 PTX through the driver JIT on a newer GPU.
 """
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from .driver import current_stream
+from .split_rule import SplitRule
 
 log = logging.getLogger("dflashgen")
 
@@ -33,6 +35,7 @@ __all__ = [
     "check_inputs",
     "dense_verify_attention",
     "device_errors",
+    "entry_rule",
     "kernel_arch",
     "paged_verify_attention",
     "select_kernel",
@@ -78,6 +81,11 @@ def select_kernel(arch: int, hq: int, hkv: int, d: int, kv: str, page: int, name
         _fail(f"no sm_{arch} attention {what} for {hq} query / {hkv} KV heads, head_dim {d}, {kv} KV, page {page}; "
               f"generated (Hq, Hkv, D, kv, page): {have}")
     return found[0]
+
+
+def entry_rule(entry: dict[str, Any]) -> SplitRule:
+    """The split rule a manifest entry's kernel was rendered with."""
+    return SplitRule.of(entry["split"], entry.get("short", ()))
 
 
 class _Launcher:
@@ -241,7 +249,7 @@ def paged_verify_attention(
 
     qh = q.to(torch.float16).contiguous()
     cap = block_tables.shape[1] * page
-    max_splits = -(-cap // entry["split"])
+    max_splits = entry_rule(entry).max_splits(cap)  # lengths are on the device: size for any up to cap
     rows = entry["rows"]
     part_o = torch.empty(nb * hkv * max_splits * rows * d, dtype=torch.float32, device=dev)
     part_ml = torch.empty(nb * hkv * max_splits * rows * 2, dtype=torch.float32, device=dev)

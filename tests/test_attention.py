@@ -1,5 +1,5 @@
 """Verify-step attention reference (``dflashgen.runtime.attention``): paged cache, naive float64
-agreement, split-KV vs unsplit, batch invariance, rollback, error paths."""
+agreement, split-KV vs unsplit, the length-adaptive split rule, batch invariance, rollback, error paths."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dflashgen.runtime.attention import (
     SPLIT_ATOL,
     SPLIT_RTOL,
     PagedKVCache,
+    SplitRule,
     verify_attention_reference,
 )
 
@@ -209,5 +210,60 @@ def test_attention_errors():
         verify_attention_reference(torch.zeros(1, 1, 4, 8, dtype=torch.int32), cache, [0])
     with pytest.raises(ValueError, match="split_tokens"):
         verify_attention_reference(torch.zeros(1, 1, 4, 8), cache, [0], split_tokens=0)
+    with pytest.raises(ValueError, match="split_tokens"):
+        verify_attention_reference(torch.zeros(1, 1, 4, 8), cache, [0], split_tokens=True)
     with pytest.raises(IndexError, match="request 9"):
         verify_attention_reference(torch.zeros(1, 1, 4, 8), cache, [9])
+
+
+# --- the length-adaptive split rule (runtime/split_rule.py): the kernels render the same rule ---------
+
+RULE = SplitRule.of(32, [(40, 8), (100, 16)])  # <= 40 tokens: 8-token splits, <= 100: 16, else 32
+
+
+def test_split_rule_sizes_and_grid() -> None:
+    assert [RULE(n) for n in (1, 40, 41, 100, 101, 5000)] == [8, 8, 16, 16, 32, 32]
+    assert [RULE.splits(n) for n in (1, 40, 41, 100, 101)] == [1, 5, 3, 7, 4]
+    assert RULE.tag == "sp32_le40s8_le100s16" and SplitRule(512).tag == "sp512"
+    # max_splits(cap) is the most splits any length up to cap has (the launch grid): brute force.
+    for cap in (1, 8, 39, 40, 41, 64, 100, 101, 150, 1000):
+        assert RULE.max_splits(cap) == max(RULE.splits(n) for n in range(1, cap + 1)), cap
+    assert SplitRule(64).max_splits(65) == 2
+
+
+@pytest.mark.parametrize("split,tiers", [(0, ()), (32, ((40, 0),)), (32, ((40, 8), (40, 16))),
+                                         (32, ((100, 16), (40, 8))), (32, ((40, 16), (100, 8))),
+                                         (32, ((40, 32),)), (32, ((40, 64),)), (32, ((40,),))])
+def test_split_rule_rejects_bad_tiers(split, tiers) -> None:
+    with pytest.raises(ValueError, match="bad split rule"):
+        SplitRule(split, tiers)
+
+
+def test_split_rule_reference_is_fixed_split_per_length() -> None:
+    """The rule's reference == the fixed-split reference at the size the rule gives each length, on
+    both sides of each threshold (and close to the unsplit reference)."""
+    lengths = [8, 40, 41, 100, 101, 300]
+    cache = _cache(1, 256, block=16)
+    _fill(cache, lengths, seed=4)
+    q = _q(len(lengths), 8, 6, 256, seed=2) * 3
+    got = verify_attention_reference(q, cache, list(range(len(lengths))), split_tokens=RULE)
+    for r, n in enumerate(lengths):
+        fixed = verify_attention_reference(q[r:r + 1], cache, [r], split_tokens=RULE(n))[0]
+        assert torch.equal(got[r], fixed), n
+    ref = verify_attention_reference(q, cache, list(range(len(lengths))))
+    vmax = max(float(cache.gather(r)[1].abs().max()) for r in range(len(lengths)))
+    torch.testing.assert_close(got, ref, rtol=SPLIT_RTOL, atol=SPLIT_ATOL * vmax)
+
+
+def test_split_rule_batch_invariance() -> None:
+    """With the rule, each request's output is bitwise the same alone or in ragged batches whose other
+    requests sit on the other side of the thresholds."""
+    lengths = [40, 41, 100, 101, 9, 300]
+    cache = _cache(1, 256, block=16, reqs=len(lengths))
+    _fill(cache, lengths, seed=8)
+    q = _q(len(lengths), 8, 6, 256, seed=5)
+    alone = [verify_attention_reference(q[r:r + 1], cache, [r], split_tokens=RULE)[0] for r in range(len(lengths))]
+    for batch in ([0, 1], [3, 2, 5], [5, 4, 3, 2, 1, 0], [1, 1, 0]):
+        got = verify_attention_reference(q[batch], cache, batch, split_tokens=RULE)
+        for i, r in enumerate(batch):
+            assert torch.equal(got[i], alone[r]), (batch, r)

@@ -33,13 +33,20 @@ def test_family_covers_every_target_once() -> None:
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
                      f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"ds{s.ds}",
-                     f"sp{s.split}"):
+                     f"sp{s.split}", *(f"le{a}s{b}" for a, b in s.short)):
             assert f"_{part}_" in s.name + "_"
+        assert s.name.endswith(s.rule.tag)
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
             for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
     assert set(defaults) == want
     assert all("qwen3.8-27b/tp" in u for s in specs for u in s.serves)
     assert len(specs) <= 72, "keep the family's build small"
+    # Every served schedule carries the YAML's split rule; the race has the same schedules without it.
+    rules = af.load_schedule()["short_splits"]
+    for s in defaults.values():
+        assert [list(t) for t in s.short] == rules[s.hkv] and s.rule(1032) < s.split
+    fixed = {(s.hkv, s.tile, s.kvg, s.ds, s.split) for s in specs if not s.short and s.arch == 90}
+    assert all((s.hkv, s.tile, s.kvg, s.ds, s.split) in fixed for s in defaults.values() if s.arch == 90)
     # The runtime picks exactly the default, and only by name otherwise.
     for hq, hkv in TARGET_HEADS:
         e = select_kernel(90, hq, hkv, 256, "fp16", 16)
@@ -51,6 +58,31 @@ def test_render_is_deterministic_and_marked_generated() -> None:
     s = af.specs()[0]
     a, b = af.render(s), af.render(s)
     assert a == b and "DO NOT EDIT" in a and f"{s.name}_merge" in a and f"SMEM == {s.smem}" in a
+
+
+def test_split_rule_renders_into_the_kernel() -> None:
+    """The rule is constants in the kernel source (its identity), tiers in order, the long split last."""
+    spec = af.AttnSpec(90, 24, 4, 256, 8, "fp16", 16, tile=32, stages=2, split=512, ds=2,
+                       short=((2048, 64), (8192, 128)))
+    assert spec.name.endswith("_ds2_sp512_le2048s64_le8192s128")
+    src = af.render(spec)
+    body = src[src.index("split_for(int len)"):src.index("MIN_SPLIT")]
+    assert body.index("len <= 2048) return 64") < body.index("len <= 8192) return 128") < body.index("return SPLIT")
+    assert "MIN_SPLIT = 64;" in src
+    plain = af.render(af.AttnSpec(90, 24, 4, 256, 8, "fp16", 16, tile=32, stages=2, split=512, ds=2))
+    assert "if (len" not in plain and "MIN_SPLIT = 512;" in plain
+    assert spec.meta()["short"] == [[2048, 64], [8192, 128]]
+
+
+@pytest.mark.parametrize("tiers,match", [({4: [[2048, 48]]}, "every split"), ({4: [[2048, 512]]}, "bad split rule"),
+                                         ({4: [[8192, 64], [2048, 128]]}, "bad split rule"),
+                                         ({4: [[2048]]}, "max_len, split"), ([[2048, 64]], "mapping")])
+def test_bad_split_rules_in_the_schedule(monkeypatch, tiers, match) -> None:
+    """A bad `short_splits` (or a variant's `short`) in schedules/attention.yaml fails generation clearly."""
+    sch = {**af.load_schedule(), "short_splits": tiers}
+    monkeypatch.setattr(af, "load_schedule", lambda: sch)
+    with pytest.raises(af.AttnScheduleError, match=match):
+        af.specs()
 
 
 @pytest.mark.parametrize("change,match", [({"tile": 48}, "tile"), ({"d": 128}, "head_dim 256"),
@@ -162,6 +194,7 @@ def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.Att
     qk = 1 / math.sqrt(d) * 1.4426950408889634 * float(cache.k_scale)
     for b, r in enumerate(reqs):
         n = cache.length(r)
+        split = spec.rule(n)  # the request's own length picks its split size
         pos = torch.arange(n)
         blocks = cache.block_tables[r, pos // cache.block_size].long()
         k16 = cache.k_pool[blocks, pos % cache.block_size].to(torch.float16).float()  # exact for FP8
@@ -173,12 +206,12 @@ def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.Att
                 rows[h * spec.qrows:h * spec.qrows + nq] = q[b, :, kh * group + h].half().float()
             limit = torch.where(i < nq, n - nq + i, n - 1)
             parts = []
-            for lo in range(0, n, spec.split):
+            for lo in range(0, n, split):
                 groups = []
                 for grp in range(spec.kvg):  # group g: tile g of every stage of kvg tiles
                     m = torch.full((len(rows),), -math.inf)
                     ssum, o = torch.zeros(len(rows)), torch.zeros(len(rows), d)
-                    for t0 in range(lo + grp * spec.tile, min(lo + spec.split, n), spec.tile * spec.kvg):
+                    for t0 in range(lo + grp * spec.tile, min(lo + split, n), spec.tile * spec.kvg):
                         t1 = min(t0 + spec.tile, n)
                         s = rows @ k16[t0:t1, kh].T * qk
                         s = s.masked_fill(torch.arange(t0, t1)[None, :] > limit[:, None], -math.inf)
@@ -197,12 +230,17 @@ def _emulate(q: torch.Tensor, cache: PagedKVCache, reqs: list[int], spec: af.Att
     return out
 
 
-@pytest.mark.parametrize("dtype,kvg,tile", [(torch.float16, 1, 32), (torch.float8_e5m2, 1, 32),
-                                            (torch.float8_e4m3fn, 1, 32), (torch.float16, 2, 32),
-                                            (torch.float16, 2, 16)])
+@pytest.mark.parametrize("dtype,kvg,tile,short", [(torch.float16, 1, 32, False), (torch.float8_e5m2, 1, 32, False),
+                                                  (torch.float8_e4m3fn, 1, 32, False), (torch.float16, 2, 32, False),
+                                                  (torch.float16, 2, 16, False), (torch.float16, 1, 32, True),
+                                                  (torch.float16, 2, 16, True)])
 @pytest.mark.parametrize("nq", [8, 3])
-def test_kernel_algorithm_matches_reference(dtype, kvg, tile, nq) -> None:
-    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=tile, stages=2, split=2 * tile * kvg, kvg=kvg)
+def test_kernel_algorithm_matches_reference(dtype, kvg, tile, short, nq) -> None:
+    """With `short`, lengths 63 and 64 + nq - 1 fall in a tier of one-stage splits and 200 in the long
+    split: both sides of the threshold in one batch."""
+    tt = tile * kvg
+    spec = af.AttnSpec(90, 6, 1, 256, 8, "fp16", 4, tile=tile, stages=2, split=(4 if short else 2) * tt, kvg=kvg,
+                       short=((64 + nq - 1, tt),) if short else ())
     scales = {"k_scale": 0.05, "v_scale": 0.02} if dtype != torch.float16 else {}
     cache = PagedKVCache(128, 4, 1, 256, max_requests=4, max_blocks_per_request=64, dtype=dtype, **scales)
     g = torch.Generator().manual_seed(0)
@@ -415,7 +453,7 @@ def test_bench_markdown_renders_a_report() -> None:
     row = {"heads": "tp4", "hq": 6, "hkv": 1, "ctx": 1024, "B": 2, "ours_us": 10.0, "roofline_frac": 0.5,
            "best_schedule_frac": 0.6, "per_request_us": 12.0, "sdpa_flash_us": 11.0, "sdpa_flash_mask": "causal",
            "sdpa_efficient_us": None, "sdpa_efficient_error": "no GQA", "best_baseline": "sdpa_flash_us",
-           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0, "dfg_attn_y": 12.5}}
+           "speedup_vs_best": 1.1, "schedules": {"dfg_attn_x": 10.0, "dfg_attn_y": 12.5}, "default": "dfg_attn_x"}
     row16 = {**row, "ctx": 16384, "roofline_us": 5.0}
     md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
                    "seconds": 30.0, "rows": [row, row16]})
@@ -424,6 +462,12 @@ def test_bench_markdown_renders_a_report() -> None:
     # The race summary: y is 1.25x the default at both points, slower than SDPA flash (11 us) at both.
     assert "| tp4 | `dfg_attn_x` | 1.00 | 1.00 | 2/2 | 0/2 | 50% |" in md
     assert "| tp4 | `dfg_attn_y` | 1.25 | 1.25 | 0/2 | 2/2 | 40% |" in md
+    assert "Split rule effect" not in md  # the default has no rule: no twin to compare with
+    ruled = {**row, "default": "dfg_attn_x_sp128_le2048s32", "schedules": {"dfg_attn_x_sp128_le2048s32": 10.0,
+                                                                          "dfg_attn_x_sp128": 20.0}}
+    md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
+                   "seconds": 30.0, "rows": [ruled]})
+    assert "| tp4 | 1024 | 2 | 10.0 | 20.0 | 0.50 | 11.0 |" in md
 
 
 class _Recorder:
@@ -462,7 +506,8 @@ def test_launch_arguments(monkeypatch, dtype) -> None:
     assert out.shape == (2, 8, 6, 256) and out.dtype == torch.float32
     e = select_kernel(90, 6, 1, 256, ak.KV_TAG[dtype], 16)
     (w1, grid, block, a, smem), (w2, mgrid, mblock, m, _) = rec.calls
-    splits = -(-64 // e["split"])
+    splits = ak.entry_rule(e).max_splits(64)  # the rule's most splits up to the table's 64 tokens
+    assert splits == max(ak.entry_rule(e).splits(n) for n in range(1, 65))
     assert (w1, grid, block, smem) == ("main", (splits, 1, 2), (e["threads"], 1, 1), e["smem"])
     assert (w2, mgrid, mblock) == ("merge", (48, 1, 2), (64, 1, 1))
     assert a[3] - a[2] == 16 * 256 * kv.element_size() and a[4] == 2 * 16 * 256  # V half, block stride

@@ -2,7 +2,8 @@
 build's compute_70 PTX (JIT-compiled by the driver) against an FP32 reference, over B in {1, 2, 4, 8},
 ragged contexts from 1 to 32K, separate / interleaved pools, FP16 / E5M2 / E4M3 KV, pages 4 and 16;
 bitwise batch invariance; CUDA-graph replay with new lengths and tables; device-side error flags;
-the target model's dense-cache path."""
+the target model's dense-cache path; the length-adaptive split rule (lengths on both sides of each
+threshold: accuracy, bitwise invariance, graph replay across a threshold, long requests unchanged)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from dflashgen.runtime.attention_kernel import (
     AttentionInputError,
     dense_verify_attention,
     device_errors,
+    entry_rule,
+    kernel_arch,
     paged_verify_attention,
+    select_kernel,
 )
 
 pytestmark = pytest.mark.gpu
@@ -232,7 +236,8 @@ def test_schedules_differing_only_in_work_placement_agree_bitwise() -> None:
     groups: dict[tuple, list[dict]] = {}
     for e in attention_entries():
         if e["arch"] == arch and e["kv"] == "fp16" and e["page"] == 16:
-            groups.setdefault((e["hq"], e["hkv"], e["tile"], e["kvg"], e["split"]), []).append(e)
+            key = (e["hq"], e["hkv"], e["tile"], e["kvg"], e["split"], tuple(map(tuple, e.get("short", ()))))
+            groups.setdefault(key, []).append(e)
     checked = 0
     for (hq, hkv, *_), es in sorted(groups.items()):
         if len(es) < 2:
@@ -240,7 +245,95 @@ def test_schedules_differing_only_in_work_placement_agree_bitwise() -> None:
         for nq in (8, 3):
             case = Case([1000, 5000, 1, 130], hq, hkv, torch.float16, 16, False, nq=nq, seed=7)
             ref = case.run(kernel=es[0]["name"])
-            for e in es[1:]:
+            for e in es[1:]:  # (same split rule: the group key includes it)
                 assert torch.equal(case.run(kernel=e["name"]), ref), f"{e['name']} != {es[0]['name']}"
                 checked += 1
     assert checked > 0
+
+
+# --- the length-adaptive split rule: a request's split size from its own length ----------------------
+
+def _served(arch: int, hq: int, hkv: int) -> dict:
+    return select_kernel(arch, hq, hkv, 256, "fp16", 16)
+
+
+def _edges(arch: int, hq: int, hkv: int) -> list[int]:
+    """Cached lengths (incl. the 8 verify rows) at, just below and just above each tier's threshold."""
+    rule = entry_rule(_served(arch, hq, hkv))
+    assert rule.tiers, "the served schedules carry a split rule (schedules/attention.yaml short_splits)"
+    return sorted({n for lim, _ in rule.tiers for n in (lim - 1, lim, lim + 1)})
+
+
+@pytest.mark.parametrize("arch", _archs())
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_split_rule_thresholds_match_fp32_reference(arch, hq, hkv) -> None:
+    """Every tier edge, in one ragged batch with a long request, against the FP32 reference."""
+    lens = _edges(arch, hq, hkv)
+    case = Case([n - 8 for n in lens] + [20000, 9], hq, hkv, torch.float16, 16, False, seed=21)
+    out = torch.full(case.q.shape, math.nan, device="cuda")
+    case.run(arch=arch, out=out)
+    case.check(out)
+
+
+@pytest.mark.parametrize("arch", _archs())
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_split_rule_batch_invariance_across_thresholds(arch, hq, hkv) -> None:
+    """Requests right at, below and above each threshold: each one's output alone == inside batches of
+    the others (different split sizes, split counts and B), bitwise."""
+    lens = _edges(arch, hq, hkv) + [17, 12000]
+    case = Case([n - 8 for n in lens], hq, hkv, torch.float16, 16, False, seed=22)
+
+    def run(idx: list[int]) -> torch.Tensor:
+        sel = torch.tensor(idx, device="cuda")
+        return paged_verify_attention(case.q[sel], case.k_pool, case.v_pool, case.table[sel], case.lengths[sel],
+                                      arch=arch)
+
+    alone = [run([r])[0] for r in range(len(lens))]
+    n = len(lens)
+    for idx in (list(range(n)), list(range(n))[::-1], [n - 1, 0], [1, n - 2, 2, 2], list(range(1, n, 2))):
+        got = run(idx)
+        for pos, r in enumerate(idx):
+            assert torch.equal(got[pos], alone[r]), f"batch {idx}: request {r} (length {lens[r]}) at {pos} differs"
+
+
+@pytest.mark.parametrize("arch", _archs())
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_split_rule_graph_replay_across_thresholds(arch, hq, hkv) -> None:
+    """A graph captured with every request below the first threshold replays with lengths moved across
+    the thresholds (more splits than at capture, fewer, the long split): the grid is sized for the
+    table's capacity, the split sizes are read from the device lengths."""
+    rule = entry_rule(_served(arch, hq, hkv))
+    first, last = rule.tiers[0][0], rule.tiers[-1][0]
+    case = Case([last + 3000] * 4, hq, hkv, torch.float16, 16, False, seed=23)  # capacity past every tier
+    table, lengths, q = case.table.clone(), case.lengths.clone(), case.q.clone()
+    lengths.copy_(torch.tensor([first - 8, 40, first, 9], dtype=torch.int32))
+    paged_verify_attention(q, case.k_pool, case.v_pool, table, lengths, arch=arch)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_verify_attention(q, case.k_pool, case.v_pool, table, lengths, arch=arch)
+    for new in ([first - 8, 40, first, 9], [first + 1, last, last + 1, first], [last + 3008, 8, first + 1, last - 1]):
+        case.lengths_list = new
+        case.lengths = torch.tensor(new, dtype=torch.int32, device="cuda")
+        lengths.copy_(case.lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, case.run(arch=arch)), new
+        case.check(out)
+
+
+def test_split_rule_leaves_long_requests_unchanged() -> None:
+    """Past the last tier the served kernel is the fixed-split kernel of the same tile, token groups and
+    split (raced as the no-rule candidate): bitwise equal at 16K-32K, so long contexts keep their bits."""
+    from dflashgen.runtime.attention_kernel import attention_entries
+
+    arch = kernel_arch(torch.device("cuda"))
+    for hq, hkv in HEADS:
+        served = _served(arch, hq, hkv)
+        fixed = [e for e in attention_entries() if not e.get("short") and (e["arch"], e["hq"], e["hkv"], e["kv"],
+                 e["page"], e["tile"], e["kvg"], e["split"]) == (arch, hq, hkv, "fp16", 16, served["tile"],
+                 served["kvg"], served["split"])]
+        assert fixed, f"no fixed-split twin of {served['name']} in the race"
+        last = entry_rule(served).tiers[-1][0]
+        case = Case([16384, last + 1 - 8, 32760], hq, hkv, torch.float16, 16, False, seed=24)
+        assert torch.equal(case.run(kernel=served["name"]), case.run(kernel=fixed[0]["name"]))

@@ -6,7 +6,7 @@
 // arch       sm_90 (mma.sync.m16n8k16 / HMMA.16816)
 // heads      6 query / 1 KV (group 6), head_dim 256, 8 verify rows per request
 // kv cache   fp16, page 16 tokens (separate or interleaved pools: runtime strides)
-// schedule   tile=16 tokens, stages=4, token groups=1, row parts=1, D split=1, split=128 tokens (fixed: batch-invariant)
+// schedule   tile=16 tokens, stages=4, token groups=1, row parts=1, D split=1, split=128 tokens (a function of the request's own length: batch-invariant)
 // launch     main: grid (max_splits x 1, 1, B) x 96 threads, 96496 B dynamic smem;
 //            merge: grid (48, 1, B) x 64 threads
 #include <dflashgen/verify_attention.cuh>
@@ -25,7 +25,12 @@ struct Cfg {
   static constexpr int KVG = 1;
   static constexpr int HS = 1;
   static constexpr int DS = 1;
-  static constexpr int SPLIT = 128;
+  static constexpr int SPLIT = 128;  // the long split (and the largest: sizes the page-id buffer)
+  // Tokens per split of a request of `len` tokens: part of the kernel's identity (its name says it).
+  __device__ static constexpr int split_for(int len) {
+    return SPLIT;
+  }
+  static constexpr int MIN_SPLIT = 128;
 };
 using Attn = dflashgen::VerifyAttention<Cfg>;
 static_assert(Attn::THREADS == 96 && Attn::SMEM == 96496, "schedule and header disagree");

@@ -1,8 +1,10 @@
 // dflashgen: grouped verification attention over a paged KV cache (speculative decoding verify).
 //
-// One CTA = one (request, KV head, split of SPLIT tokens, row part). The KV group's ROWS_ALL =
-// GROUP x QROWS query rows (all query heads of the group, all verify positions of the request; row
-// r = head r / QROWS, position r % QROWS) are cut into HS parts of ROWS rows, one CTA each (HS > 1
+// One CTA = one (request, KV head, split, row part). A request of `len` tokens is cut into splits of
+// Cfg::split_for(len) tokens (the schedule's rule: small splits for short requests, more CTAs and
+// fewer serial tiles each; SPLIT otherwise). The KV group's ROWS_ALL = GROUP x QROWS query rows
+// (all query heads of the group, all verify positions of the request; row r = head r / QROWS,
+// position r % QROWS) are cut into HS parts of ROWS rows, one CTA each (HS > 1
 // reads the split's K/V once per part, the repeats from L2: more CTAs when requests are few and
 // short; a row's arithmetic is the same for any HS). A CTA makes one pass over the split's K/V: the
 // split's page ids are staged in shared memory once, then tiles of TILE tokens are copied
@@ -11,8 +13,8 @@
 //   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
 //   P (FP16) -> smem  ->  O = O * alpha + P V (MMA, FP32).
 // The per-split (max, sum, O) go to a workspace; the merge kernel combines a request's splits in
-// ascending split order. Split boundaries are multiples of SPLIT from position 0, so they depend on
-// the request's own length only: a request's output is bitwise the same in any batch.
+// ascending split order. Split boundaries are multiples of split_for(len) from position 0, so they
+// depend on the request's own length only: a request's output is bitwise the same in any batch.
 // Lengths and block tables are read on the device (CUDA-graph replay with new values works);
 // bad lengths / page ids raise bits in *err and never cause an out-of-bounds read.
 #pragma once
@@ -254,7 +256,7 @@ struct VerifyAttention {
   static_assert(T % (16 * DS) == 0 && Mma::acc_n(D) % (2 * DS) == 0, "D split: 16-token QK and 16-column PV units");
   static_assert(DS == 1 || TEAMS < 16, "one named barrier per team (ids 1..15)");
   static_assert(ROWS_ALL % HS == 0 && ROWS % 16 == 0, "each CTA's query rows must fill 16-row MMA tiles");
-  static_assert(SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
+  static_assert(SPLIT % TT == 0 && Cfg::MIN_SPLIT % TT == 0 && T % 16 == 0 && D % 64 == 0, "tile shape");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
   static_assert(D * 16 / 32 == 128, "accumulator layout assumes D = 256");  // 16 rows x D floats / 32 lanes
 
@@ -266,7 +268,7 @@ struct VerifyAttention {
   static constexpr int S_BYTES = TEAMS * 16 * S_LD * 4;
   static constexpr int P_BYTES = TEAMS * 16 * P_LD * 2;
   static constexpr int A_BYTES = TEAMS * 16 * 4;
-  // The split's page ids (a split of SPLIT tokens from a multiple of SPLIT touches at most this many).
+  // The split's page ids (a split of <= SPLIT tokens from a multiple of its size touches at most this many).
   static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
   static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
   static constexpr int SMEM = Q_BYTES + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES + TB_BYTES;
@@ -346,22 +348,24 @@ struct VerifyAttention {
     }
   }
 
-  // Grid (max_splits x HS, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory. The HS
-  // parts of a split are adjacent in x, so they run together and share its K/V through L2.
+  // Grid (max_splits x HS, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory: max_splits
+  // covers the most splits any length up to the table's capacity has under the rule; CTAs past a
+  // request's own split count exit. The HS parts of a split are adjacent in x, so they run together
+  // and share its K/V through L2.
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
                              float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem) {
-    const int split = blockIdx.x / HS, part = blockIdx.x % HS, kh = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x / HS, part = blockIdx.x % HS, kh = blockIdx.y, b = blockIdx.z;  // split index
     const int len = lengths[b];
     if (!length_ok(len, nq, table_stride * PAGE)) {
       if (blockIdx.x == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
       return;
     }
-    const int begin = split * SPLIT;
+    const int size = Cfg::split_for(len), begin = split * size;
     if (begin >= len) return;
-    const int end = min(begin + SPLIT, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
+    const int end = min(begin + size, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
 
     __half* sq = reinterpret_cast<__half*>(smem);
@@ -554,23 +558,43 @@ struct VerifyAttention {
     if (!length_ok(len, nq, capacity)) {
       res = make_float4(DFG_NAN, DFG_NAN, DFG_NAN, DFG_NAN);
     } else {
-      const int ns = (len + SPLIT - 1) / SPLIT;
+      const int size = Cfg::split_for(len), ns = (len + size - 1) / size;
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
       const float* ml = part_ml + (slot0 * ROWS_ALL + r) * 2;
+      // Chunks of MCH splits: all of a chunk's loads issue before the first use. (`#pragma unroll 16` over
+      // a runtime count left ns % 16 splits to a rolled remainder loop, one L2 round trip per split:
+      // every split of a request with < 16 splits, i.e. all short requests.) Same order, same bits.
+      constexpr int MCH = 16;
       float mx = -DFG_INF;
-#pragma unroll 16  // independent loads in flight: the grid gives ~12 warps/SM, so the loop is latency-bound
-      for (int s = 0; s < ns; ++s) mx = fmaxf(mx, ml[s * ROWS_ALL * 2]);
+      for (int s0 = 0; s0 < ns; s0 += MCH) {
+        float m[MCH];
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) m[j] = s0 + j < ns ? ml[(s0 + j) * ROWS_ALL * 2] : -DFG_INF;
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) mx = fmaxf(mx, m[j]);  // max with -inf: a no-op for the tail
+      }
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16  // 16 float4 loads in flight per thread (ncu at 16K B4: 85% L1TEX stalls with 8)
-      for (int s = 0; s < ns; ++s) {
-        const float w = exp2f(ml[s * ROWS_ALL * 2] - mx);  // split 0 holds position 0: mx is finite
-        den += ml[s * ROWS_ALL * 2 + 1] * w;
-        const float4 x = *reinterpret_cast<const float4*>(part_o + ((slot0 + s) * ROWS_ALL + r) * D + 4 * threadIdx.x);
-        num.x += x.x * w;
-        num.y += x.y * w;
-        num.z += x.z * w;
-        num.w += x.w * w;
+      for (int s0 = 0; s0 < ns; s0 += MCH) {
+        float2 p[MCH];
+        float4 x[MCH];
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) {
+          const bool ok = s0 + j < ns;
+          p[j] = ok ? *reinterpret_cast<const float2*>(ml + (s0 + j) * ROWS_ALL * 2) : make_float2(0.0f, 0.0f);
+          x[j] = ok ? *reinterpret_cast<const float4*>(part_o + ((slot0 + s0 + j) * ROWS_ALL + r) * D + 4 * threadIdx.x)
+                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) {
+          if (s0 + j >= ns) break;
+          const float w = exp2f(p[j].x - mx);  // split 0 holds position 0: mx is finite
+          den += p[j].y * w;
+          num.x += x[j].x * w;
+          num.y += x[j].y * w;
+          num.z += x[j].z * w;
+          num.w += x[j].w * w;
+        }
       }
       const float f = v_scale / den;
       res = make_float4(num.x * f, num.y * f, num.z * f, num.w * f);
