@@ -21,11 +21,14 @@ import torch
 from dflashgen.prepack import Layout, PackedWeight, prepack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, WeightError
 
+from .kernels import GemmLaunch
 from .library import KernelLibrary, dequantize_packed, fallback_gemm
 
 __all__ = ["DEFAULT_ARCH", "QuantLinear", "quant_linear"]
 
 DEFAULT_ARCH = 90
+
+_is_compiling = torch.compiler.is_compiling  # bound once: the eager path asks on every call
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,19 @@ def _(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, col_s
     return x.new_empty((x.shape[0], lay.n // 2 if lay.silu else lay.n))
 
 
+class _Operands:
+    """A QuantLinear's buffers as they were when this was made, as a PackedWeight, and the
+    prepared launches for them (by input shape [M, K]; None: M takes the fallback)."""
+
+    __slots__ = ("weights", "scales", "bits", "packed", "launches")
+
+    def __init__(self, layout: Layout, weights: torch.Tensor, scales: torch.Tensor | None,
+                 bits: torch.Tensor) -> None:
+        self.weights, self.scales, self.bits = weights, scales, bits
+        self.packed = PackedWeight(layout, weights, scales, bits.view(torch.float32))
+        self.launches: dict[tuple[int, int], GemmLaunch | None] = {}
+
+
 def _to(w: NVFP4Weight | FP8ChannelWeight, device: torch.device) -> NVFP4Weight | FP8ChannelWeight:
     if isinstance(w, NVFP4Weight):
         return NVFP4Weight(w.packed.to(device), w.block_scale.to(device), w.global_scale.to(device), w.segments)
@@ -118,7 +134,7 @@ class QuantLinear(torch.nn.Module):
         # Stored as int32 bits so module.half() / .to(dtype) cannot round the fp32 scales.
         self.register_buffer("col_scale_bits", packed.col_scale.view(torch.int32))
         self._library = library
-        self._packed: tuple[Any, Any, Any, PackedWeight] | None = None
+        self._ops: _Operands | None = None
         self._handle = _register(library, self.layout, self)
 
     @property
@@ -145,39 +161,66 @@ class QuantLinear(torch.nn.Module):
     def library(self) -> KernelLibrary | None:
         return self._library
 
-    def packed(self) -> PackedWeight:
-        """The module's operands as a PackedWeight; the same object while the buffers are the same
-        (``.to()`` / ``load_state_dict`` replace them), so kernels validate it once."""
+    def _operands(self) -> _Operands:
+        """The buffers as a PackedWeight and its prepared launches; rebuilt when a buffer is
+        replaced (``.to()``, ``load_state_dict(assign=True)``, assignment), so kernels validate the
+        new buffers and the launches take their addresses."""
         b = self._buffers  # direct: nn.Module attribute lookup of buffers is slow on the hot path
-        c = self._packed
-        if c is None or c[0] is not b["weights"] or c[1] is not b["scales"] or c[2] is not b["col_scale_bits"]:
-            pw = PackedWeight(self.layout, b["weights"], b["scales"], b["col_scale_bits"].view(torch.float32))
-            c = self._packed = (b["weights"], b["scales"], b["col_scale_bits"], pw)
-        return c[3]
+        o = self._ops
+        if (o is None or o.weights is not b["weights"] or o.scales is not b["scales"]
+                or o.bits is not b["col_scale_bits"]):
+            o = self._ops = _Operands(self.layout, b["weights"], b["scales"], b["col_scale_bits"])
+        return o
+
+    def packed(self) -> PackedWeight:
+        """The module's operands as a PackedWeight; the same object while the buffers are the same."""
+        return self._operands().packed
+
+    def prepare(self, m: int) -> GemmLaunch | None:
+        """The kernel launch for M rows with its arguments written, kept for the eager fast path
+        (made on the first validated call at each M); None where M is served by the fallback."""
+        o = self._operands()
+        shape = (m, self.layout.k)
+        if shape not in o.launches:
+            o.launches[shape] = None if self._library is None else self._library.prepare(o.packed, m)
+        return o.launches[shape]
 
     def dequantize(self) -> torch.Tensor:
         """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
         return dequantize_packed(self.packed())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = self._library
-        if (lib is not None and type(x) is torch.Tensor and x.dim() == 2 and x.is_cuda and x.is_floating_point()
-                and x.shape[1] == self.layout.k and x.is_contiguous() and not torch.compiler.is_compiling()):
-            # Eager fast path, the decode loop's call: a contiguous [M, K] goes straight to the launch
-            # the op makes, minus the dispatcher round trip and the reshapes (each view costs ~1-2 us
-            # of host time). torch.compile, export and tensor subclasses (fake tensors) still see the
-            # opaque custom op.
-            return lib.gemm(x, self.packed())
-        k = self.layout.k
+        if type(x) is torch.Tensor and not _is_compiling():
+            # Eager fast path, the decode loop's call: a prepared launch for this [M, K] (the key
+            # checks the shape) checks x's dtype, device and layout, allocates y, writes two
+            # pointers and launches. Anything else (and the first call at each M) takes the
+            # validated path below. torch.compile, export and tensor subclasses see the custom op.
+            launch = self._operands().launches.get(x.shape)
+            if launch is not None and (y := launch(x)) is not None:
+                return y
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib, k = self._library, self.layout.k
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
-        if lib is not None and type(x2) is torch.Tensor and x2.is_cuda and not torch.compiler.is_compiling():
-            return lib.gemm(x2, self.packed()).reshape(*lead, self.out_features)
+        if lib is not None and type(x) is torch.Tensor and x.is_cuda and not _is_compiling():
+            if x.dim() == 2 and x.is_contiguous():
+                # the launch the op would make, minus the dispatcher round trip (tens of us)
+                y = lib.gemm(x, self.packed())
+                if x.dtype is torch.float16:  # validated at this M: prepare the fast path's launch
+                    self.prepare(x.shape[0])
+                return y
+            x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
+            return lib.gemm(x2, self.packed()).reshape(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, k).contiguous()
         y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        self._ops = None  # .to() / .cuda() / .half() replace the buffers: drop the old ones now
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, format={self.fmt}, N={self.layout.n}, K={self.layout.k}, "
@@ -187,5 +230,5 @@ class QuantLinear(torch.nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy / unpickle: the copy gets its own handle (the original's dies with it).
         super().__setstate__(state)
-        self._packed = None
+        self._ops = None
         self._handle = _register(self._library, self.layout, self)
