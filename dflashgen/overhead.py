@@ -79,7 +79,7 @@ def _raw_launch_argtypes(p: dict[str, Any], m: int) -> Callable[[], None]:
     launch = p["kern"].prepare(p["packed"], m)
     launch.launch(p["x"].data_ptr(), p["y"].data_ptr(), torch.cuda.current_stream().cuda_stream)
     main = launch._main
-    grid, block, stream = tuple(g.value for g in main.grid), (p["kern"].threads, 1, 1), main.stream.value
+    grid, block, stream = tuple(g.value for g in main.grid), (p["kern"].threads, 1, 1), main.stream.value or 0
     return lambda: main.fn.launch_pack(grid, block, main.pack, stream)
 
 

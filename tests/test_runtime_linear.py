@@ -371,3 +371,18 @@ def test_fast_path_is_thread_safe(fake_gpu) -> None:
     # calls that found the launch busy took the validated path instead
     assert len(seen) == 800 and launched <= set(seen)
     assert lib.path_counts[(lib.key(mod.packed()), 8, "kernel")] == len(rec.calls)
+
+
+def test_overhead_table_keeps_the_cited_keys() -> None:
+    import json
+    from pathlib import Path
+
+    from dflashgen.overhead import TABLE, markdown
+
+    old = json.loads(Path(__file__).parent.parent.joinpath("bench/h200-2026-11-29-s3/overhead.json").read_text())
+    keys = {k for k, _ in TABLE}
+    cited = {k.removeprefix("o_proj_") for k in old} - {"launches_per_call"}
+    assert cited <= keys  # the bench READMEs cite these; new keys are added, none renamed
+    md = markdown({**old, "torch_add_us": 3.0})
+    assert md.splitlines()[0].startswith("| host us per call |") and "| 5.96 | 5.70 |" in md
+    assert "x.add_(0) (an elementwise launch, no allocation) | 3.00 |  |" in md
