@@ -227,6 +227,10 @@ class QuantLinear(torch.nn.Module):
                 f"silu={self.silu}, arch=sm_{self.layout.arch}, segments={self.segments}, "
                 f"path={'library' if self._library is not None else 'fallback'}")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # prepared launches (locks, ctypes storage) belong to this module's buffers and process
+        return {**self.__dict__, "_ops": None}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy / unpickle: the copy gets its own handle (the original's dies with it).
         super().__setstate__(state)

@@ -324,6 +324,8 @@ def test_fast_path_follows_replaced_buffers(fake_gpu) -> None:
     assert mod.prepare(8) is not new
     mod.to("cpu")  # .to() drops the prepared launches at once (the old buffers are not kept alive)
     assert mod._ops is None
+    mod.prepare(8)
+    assert mod.__getstate__()["_ops"] is None  # copies and pickles get none (locks, ctypes storage)
 
 
 def test_fast_path_calls_are_counted(fake_gpu) -> None:
