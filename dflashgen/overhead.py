@@ -142,7 +142,7 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             "raw_launch_argtypes_us": host_us(_raw_launch_argtypes(p, m)),
             "gemm_kernel_us": host_us(lambda kern=kern, x=x, packed=packed, y=y: kern(x, packed, y)),
             "library_dispatch_us": host_us(lambda x=x, packed=packed, y=y: lib.gemm(x, packed, y)),
-            "prepared_launch_us": host_us(lambda prepared=prepared, x=x: prepared(x)),
+            "prepared_launch_us": host_us(lambda prepared=prepared, x=x, shape=(m, n): prepared(x, shape)),
             "quant_linear_us": host_us(lambda mod=mod, x=x: mod(x)),  # eager: the module's prepared launch
             "custom_op_us": host_us(lambda mod=mod, x=x: quant_linear(x, mod.weights, mod.scales, mod.col_scale,
                                                                       mod._handle)),

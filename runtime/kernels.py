@@ -188,7 +188,6 @@ class GemmLaunch:
         self.count_key: tuple[str, int, str] | None = None
         self.m = 0
         self._dev = kern._dev_index
-        self._out_shape = (0, kern.n_out)
         self._stream = -1  # the stream the workspace pointers were written for
         # x, M, weights, scales, col_scale, out, workspace | workspace, M, col_scale, out
         self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1),
@@ -212,7 +211,6 @@ class GemmLaunch:
             if m > 64:
                 self._stream = -1  # above 64 rows each call gets its own workspace
         self.m = m
-        self._out_shape = (m, kern.n_out)
 
     def launch(self, x_ptr: int, out_ptr: int, stream: int) -> None:
         """Launch on ``stream`` for x and out at these addresses (caller holds ``lock``)."""
@@ -239,15 +237,16 @@ class GemmLaunch:
             return kern._workspace(stream)
         return torch.empty((kern.split_k * self.m * kern.n_pad,), dtype=torch.float32, device=kern.device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """y = the kernel on x (a torch.Tensor [M, K] for the bound M and K, which the caller has
-        checked), or None when x does not fit in some other way (dtype, device, layout, alignment)
-        or another thread holds the launch: then the caller takes the validated path."""
+    def __call__(self, x: torch.Tensor, out_shape: tuple[int, ...]) -> torch.Tensor | None:
+        """y of shape ``out_shape`` (M x N_out elements) = the kernel on x, a torch.Tensor of
+        M x K elements whose shape the caller has checked ([..., K] with M rows in all), or None
+        when x does not fit in some other way (dtype, device, layout, alignment) or another thread
+        holds the launch: then the caller takes the validated path."""
         if (x.dtype is not _F16 or x.get_device() != self._dev or not x.is_contiguous()
                 or (xp := x.data_ptr()) % 16 or not self.lock.acquire(False)):
             return None
         try:
-            out = x.new_empty(self._out_shape)
+            out = x.new_empty(out_shape)
             self.launch(xp, out.data_ptr(), self.get_stream(self._dev))
             self.calls[0] += 1
         finally:

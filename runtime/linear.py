@@ -12,6 +12,7 @@ reloaded buffers are always the ones used.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ def _(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, col_s
 
 class _Operands:
     """A QuantLinear's buffers as they were when this was made, as a PackedWeight, and the
-    prepared launches for them (by input shape [M, K]; None: M takes the fallback)."""
+    prepared launches for them, with y's shape, by input shape (None: M takes the fallback)."""
 
     __slots__ = ("weights", "scales", "bits", "packed", "launches")
 
@@ -89,7 +90,7 @@ class _Operands:
                  bits: torch.Tensor) -> None:
         self.weights, self.scales, self.bits = weights, scales, bits
         self.packed = PackedWeight(layout, weights, scales, bits.view(torch.float32))
-        self.launches: dict[tuple[int, int], GemmLaunch | None] = {}
+        self.launches: dict[tuple[int, ...], tuple[GemmLaunch, tuple[int, ...]] | None] = {}  # y's shape
 
 
 def _to(w: NVFP4Weight | FP8ChannelWeight, device: torch.device) -> NVFP4Weight | FP8ChannelWeight:
@@ -176,13 +177,19 @@ class QuantLinear(torch.nn.Module):
         """The module's operands as a PackedWeight; the same object while the buffers are the same."""
         return self._operands().packed
 
-    def prepare(self, m: int) -> GemmLaunch | None:
-        """The kernel launch for M rows with its arguments written, kept for the eager fast path
-        (made on the first validated call at each M); None where M is served by the fallback."""
+    def prepare(self, *lead: int) -> GemmLaunch | None:
+        """The kernel launch for inputs [*lead, K] (M = prod(lead) rows) with its arguments
+        written, kept for the eager fast path; the first validated call at each input shape makes
+        it. None where M takes the fallback."""
+        entry = self._prepare((*lead, self.layout.k))
+        return None if entry is None else entry[0]
+
+    def _prepare(self, shape: tuple[int, ...]) -> tuple[GemmLaunch, tuple[int, ...]] | None:
         o = self._operands()
-        shape = (m, self.layout.k)
         if shape not in o.launches:
-            o.launches[shape] = None if self._library is None else self._library.prepare(o.packed, m)
+            lead = shape[:-1]
+            launch = None if self._library is None else self._library.prepare(o.packed, math.prod(lead))
+            o.launches[shape] = None if launch is None else (launch, (*lead, self.out_features))
         return o.launches[shape]
 
     def dequantize(self) -> torch.Tensor:
@@ -191,12 +198,13 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(x) is torch.Tensor and not _is_compiling():
-            # Eager fast path, the decode loop's call: a prepared launch for this [M, K] (the key
-            # checks the shape) checks x's dtype, device and layout, allocates y, writes two
-            # pointers and launches. Anything else (and the first call at each M) takes the
-            # validated path below. torch.compile, export and tensor subclasses see the custom op.
-            launch = self._operands().launches.get(x.shape)
-            if launch is not None and (y := launch(x)) is not None:
+            # Eager fast path, the decode loop's call: a launch prepared for this input shape (the
+            # key; [..., K], M rows in all) checks x's dtype, device and layout, allocates y in
+            # [..., N] directly, writes two pointers and launches. Anything else (and the first call
+            # at each shape) takes the validated path below. torch.compile, export and tensor
+            # subclasses see the custom op.
+            entry = self._operands().launches.get(x.shape)
+            if entry is not None and (y := entry[0](x, entry[1])) is not None:
                 return y
         return self._forward(x)
 
@@ -205,18 +213,15 @@ class QuantLinear(torch.nn.Module):
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # kernels: [M, K]
         if lib is not None and type(x) is torch.Tensor and x.is_cuda and not _is_compiling():
-            if x.dim() == 2 and x.is_contiguous():
-                # the launch the op would make, minus the dispatcher round trip (tens of us)
-                y = lib.gemm(x, self.packed())
-                if x.dtype is torch.float16:  # validated at this M: prepare the fast path's launch
-                    self.prepare(x.shape[0])
-                return y
-            x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
-            return lib.gemm(x2, self.packed()).reshape(*x.shape[:-1], self.out_features)
-        x2 = x.reshape(-1, k).contiguous()
-        y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            # the launch the op would make, minus the dispatcher round trip (tens of us)
+            y = lib.gemm(x2, self.packed())
+            if x.dtype is torch.float16 and x.is_contiguous():  # validated: prepare for this shape
+                self._prepare(tuple(x.shape))
+        else:
+            y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+        return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
         self._ops = None  # .to() / .cuda() / .half() replace the buffers: drop the old ones now

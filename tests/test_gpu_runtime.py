@@ -135,6 +135,9 @@ def test_fast_path_matches_the_validated_path(split_k: bool) -> None:
             mod(x.to("cuda:1"))
     assert launch.calls[0] == 1
     assert torch.equal(mod(x), y1) and launch.calls[0] == 2
+    x3 = x.reshape(2, 4, p.k)  # the decode loop's [B, T, K]: its own prepared launch, same bits
+    assert torch.equal(mod(x3), y1.reshape(2, 4, -1)) and torch.equal(mod(x3), y1.reshape(2, 4, -1))
+    assert mod.prepare(2, 4).calls[0] == 1
 
 
 @pytest.mark.parametrize("split_k", [False, True])

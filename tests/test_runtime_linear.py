@@ -328,6 +328,23 @@ def test_fast_path_follows_replaced_buffers(fake_gpu) -> None:
     assert mod.__getstate__()["_ops"] is None  # copies and pickles get none (locks, ctypes storage)
 
 
+def test_fast_path_any_leading_dims(fake_gpu) -> None:
+    make, rec = fake_gpu
+    lib = make()
+    w = _weight("nvfp4")
+    mod = QuantLinear(w, "p", library=lib)
+    launch = mod.prepare(2, 4)  # [B, T, K] as the decode loop passes it: M = 8 rows
+    assert launch is not None and launch.m == 8 and mod.prepare(8) is not launch
+    x = _x(8).reshape(2, 4, K)
+    y = mod(x)
+    assert y.shape == (2, 4, N) and rec.calls[-1][3][:2] == [x.data_ptr(), 8]
+    assert rec.calls[-1][3][5] == y.data_ptr() and launch.calls[0] == 1
+    assert mod.prepare(3, 4) is None and mod.prepare(1, 1) is None  # M = 12, 1: the fallback
+    n_calls = len(rec.calls)
+    y = mod(_x(12).reshape(3, 4, K))
+    assert y.shape == (3, 4, N) and len(rec.calls) == n_calls
+
+
 def test_fast_path_calls_are_counted(fake_gpu) -> None:
     make, rec = fake_gpu
     lib = make()
