@@ -31,6 +31,11 @@ DEFAULT_ARCH = 90
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the eager path asks on every call
 
+# Launches are prepared automatically for decode / verify shapes only (M <= 64 rows: 8 x requests),
+# at most this many input shapes per module: a prefill's varying lengths must not pile them up.
+PREPARE_MAX_M = 64
+PREPARE_MAX_SHAPES = 32
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -217,8 +222,9 @@ class QuantLinear(torch.nn.Module):
         if lib is not None and type(x) is torch.Tensor and x.is_cuda and not _is_compiling():
             # the launch the op would make, minus the dispatcher round trip (tens of us)
             y = lib.gemm(x2, self.packed())
-            if x.dtype is torch.float16 and x.is_contiguous():  # validated: prepare for this shape
-                self._prepare(tuple(x.shape))
+            if (x.dtype is torch.float16 and x.is_contiguous() and x2.shape[0] <= PREPARE_MAX_M
+                    and len(self._operands().launches) < PREPARE_MAX_SHAPES):
+                self._prepare(tuple(x.shape))  # validated: the next call at this shape is a fast one
         else:
             y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
         return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)

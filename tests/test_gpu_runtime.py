@@ -138,6 +138,8 @@ def test_fast_path_matches_the_validated_path(split_k: bool) -> None:
     x3 = x.reshape(2, 4, p.k)  # the decode loop's [B, T, K]: its own prepared launch, same bits
     assert torch.equal(mod(x3), y1.reshape(2, 4, -1)) and torch.equal(mod(x3), y1.reshape(2, 4, -1))
     assert mod.prepare(2, 4).calls[0] == 1
+    mod(torch.randn(128, p.k, device=dev, dtype=torch.float16))  # a prefill's M: nothing kept for it
+    assert (128, p.k) not in mod._operands().launches
 
 
 @pytest.mark.parametrize("split_k", [False, True])
