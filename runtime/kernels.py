@@ -173,8 +173,8 @@ class GemmKernel:
 class GemmLaunch:
     """One GemmKernel launch (plus its split-K reduce) with every argument in persistent ctypes
     storage. ``bind`` writes the weight's pointers, M and the grid; ``launch`` writes x, out, the
-    stream and its split-K workspace, and launches. A launch bound once and kept (``GemmKernel.prepare``,
-    one per QuantLinear and M) costs two pointer writes per call. Fill and launch under ``lock``:
+    stream and its split-K workspace, and launches. A launch bound once and kept (``GemmKernel.prepare``;
+    QuantLinear keeps one per input shape) costs two pointer writes per call. Fill and launch under ``lock``:
     threads sharing a launch would otherwise interleave their pointers (a thread switch can come
     between the writes and the driver call)."""
 
