@@ -98,11 +98,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from .overhead import run
+    from .overhead import markdown, run
 
-    res = run(Path(args.out) if args.out else None, m=args.m)
-    for k, v in res.items():
-        print(f"{k:<22} {v:8.2f} us")
+    print(markdown(run(Path(args.out) if args.out else None, m=args.m)))
     return 0
 
 

@@ -2,10 +2,13 @@
 
 Method: a projection whose kernel is tiny (GDN in_proj_ba at TP4: N=24, K=5120, a few microseconds)
 is called 200 times back to back and the host's wall time is taken before waiting for the GPU: with
-the launch queue never full, that is the host overhead per call whatever the kernel's own time. Each layer of the call
-stack is measured the same way (raw driver launch, GemmKernel with validation, KernelLibrary
-dispatch, QuantLinear's eager path, and the torch custom op that torch.compile sees). Inside a CUDA
-graph the same calls are captured and replayed; per call that must equal the kernel time (CUDA events).
+the launch queue never full, that is the host overhead per call whatever the kernel's own time. Each
+layer of the call stack is measured the same way (the bare driver launch, GemmKernel with validation,
+KernelLibrary dispatch, the prepared launch alone, QuantLinear's eager call, and the torch custom op
+that torch.compile sees), and so are torch's own peers on the same shapes: an empty nn.Module call,
+an output allocation, an in-place elementwise op (torch's cheapest kernel launch), and
+``F.linear`` on an FP16 weight (cuBLAS). Inside a CUDA graph the same calls are captured and
+replayed; per call that must equal the kernel time (CUDA events).
 """
 
 from __future__ import annotations
@@ -63,50 +66,94 @@ def _projection(lib: Any, problem: str, n: int, k: int, segments: tuple[int, ...
 
 
 def _raw_launch(p: dict[str, Any], m: int) -> Callable[[], None]:
-    """The main kernel's launch alone, arguments in place: the floor of any Python path."""
-    from dflashgen.runtime.driver import current_stream
+    """The main kernel's launch alone, every argument in place (one ctypes call into the driver):
+    the floor of any Python path."""
+    launch = p["kern"].prepare(p["packed"], m)
+    launch.launch(p["x"].data_ptr(), p["y"].data_ptr(), torch.cuda.current_stream().cuda_stream)
+    return launch._main.launch
 
-    kern, packed, x, y = p["kern"], p["packed"], p["x"], p["y"]
-    fn, _ = kern._functions()
-    stream = current_stream(kern.device.index or 0)
-    ws = kern._workspace(stream).data_ptr() if kern.split_k > 1 else 0
-    grid, pack = (1, kern._grid_y, kern.split_k), kern._main_args
 
-    def raw() -> None:
-        with pack.lock:
-            v = pack.values
-            v[0].value, v[1].value, v[2].value = x.data_ptr(), m, packed.weights.data_ptr()
-            v[3].value, v[4].value = packed.scales.data_ptr(), packed.col_scale.data_ptr()
-            v[5].value, v[6].value = y.data_ptr(), ws
-            fn.launch_pack(grid, (kern.threads, 1, 1), pack, stream)
+def _raw_launch_argtypes(p: dict[str, Any], m: int) -> Callable[[], None]:
+    """The same launch through ``Function.launch_pack`` (ctypes converts the 11 Python-int
+    arguments on each call): the floor the figures before the prepared launches were read against."""
+    launch = p["kern"].prepare(p["packed"], m)
+    launch.launch(p["x"].data_ptr(), p["y"].data_ptr(), torch.cuda.current_stream().cuda_stream)
+    main = launch._main
+    grid, block, stream = tuple(g.value for g in main.grid), (p["kern"].threads, 1, 1), main.stream.value or 0
+    return lambda: main.fn.launch_pack(grid, block, main.pack, stream)
 
-    return raw
+
+class _Empty(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+# (key, label) in table order; keys without a prefix are in_proj_ba's, "o_proj_" + key o_proj's
+TABLE = (
+    ("raw_launch_us", "driver: bare cuLaunchKernel (ctypes, arguments in place)"),
+    ("raw_launch_argtypes_us", "driver: cuLaunchKernel, ctypes converting 11 ints"),
+    ("prepared_launch_us", "dflashgen: prepared launch (checks x, allocates y, launches)"),
+    ("quant_linear_us", "dflashgen: QuantLinear eager call"),
+    ("quant_linear_above_driver_us", "dflashgen: QuantLinear minus its bare launches"),
+    ("gemm_kernel_us", "dflashgen: GemmKernel (full validation, out given)"),
+    ("library_dispatch_us", "dflashgen: KernelLibrary.gemm (out given)"),
+    ("custom_op_us", "dflashgen: torch custom op (what torch.compile sees)"),
+    ("torch_module_call_us", "torch: empty nn.Module call"),
+    ("torch_empty_us", "torch: allocate y (x.new_empty)"),
+    ("torch_add_us", "torch: x.add_(0) (an elementwise launch, no allocation)"),
+    ("torch_linear_fp16_us", "torch: F.linear on an FP16 weight (cuBLAS + allocation)"),
+    ("kernel_in_graph_us", "in a CUDA graph: per call (= kernel time)"),
+    ("quant_linear_in_graph_us", "in a CUDA graph: QuantLinear per call"),
+)
+
+
+def markdown(res: dict[str, float]) -> str:
+    """The figures as a Markdown table: one row per measurement, one column per projection."""
+    rows = ["| host us per call | in_proj_ba (split-K, 2 launches) | o_proj (1 launch) |", "|---|---:|---:|"]
+    for key, label in TABLE:
+        a, b = res.get(key), res.get(f"o_proj_{key}")
+        if a is not None or b is not None:
+            rows.append(f"| {label} | {'' if a is None else f'{a:.2f}'} | {'' if b is None else f'{b:.2f}'} |")
+    return "\n".join(rows)
 
 
 def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
     """Per projection (in_proj_ba at TP4: split-K, two launches per call; o_proj at TP4: one launch):
-    host us per call at each layer of the stack, the driver's bare launch, and ``*_above_driver_us``:
-    QuantLinear's host cost minus the driver launches it must make (what dflashgen's Python adds)."""
+    host us per call at each layer of the stack, the driver's bare launch, torch's peers, and
+    ``*_above_driver_us``: QuantLinear's host cost minus the driver launches it must make (what
+    dflashgen's Python adds)."""
     from dflashgen.runtime.library import KernelLibrary
     from dflashgen.runtime.linear import quant_linear
 
     dev = torch.device("cuda", torch.cuda.current_device())
     lib = KernelLibrary(device=dev, on_mismatch="fallback")
     res: dict[str, float] = {}
+    empty = _Empty()
     for label, problem, n, k, segs in (("in_proj_ba", "n24/k5120", 24, 5120, (12, 12)),
                                        ("o_proj", "n5120/k1536", 5120, 1536, (5120,))):
         p = _projection(lib, problem, n, k, segs, m)
         kern, packed, mod, x, y = p["kern"], p["packed"], p["mod"], p["x"], p["y"]
         launches = 2 if kern.split_k > 1 else 1
+        prepared = kern.prepare(packed, m)
+        w16 = mod.dequantize().to(torch.float16)
+        xa = x.clone()
         r = {
             "raw_launch_us": host_us(_raw_launch(p, m)),
+            "raw_launch_argtypes_us": host_us(_raw_launch_argtypes(p, m)),
             "gemm_kernel_us": host_us(lambda kern=kern, x=x, packed=packed, y=y: kern(x, packed, y)),
             "library_dispatch_us": host_us(lambda x=x, packed=packed, y=y: lib.gemm(x, packed, y)),
-            "quant_linear_us": host_us(lambda mod=mod, x=x: mod(x)),  # eager: the module's direct path
+            "prepared_launch_us": host_us(lambda prepared=prepared, x=x, shape=(m, n): prepared(x, shape)),
+            "quant_linear_us": host_us(lambda mod=mod, x=x: mod(x)),  # eager: the module's prepared launch
             "custom_op_us": host_us(lambda mod=mod, x=x: quant_linear(x, mod.weights, mod.scales, mod.col_scale,
                                                                       mod._handle)),
+            "torch_module_call_us": host_us(lambda x=x: empty(x)),
+            "torch_empty_us": host_us(lambda x=x, shape=(m, n): x.new_empty(shape)),
+            "torch_add_us": host_us(lambda xa=xa: xa.add_(0)),
+            "torch_linear_fp16_us": host_us(lambda x=x, w16=w16: torch.nn.functional.linear(x, w16)),
             "kernel_in_graph_us": graph_us(lambda kern=kern, x=x, packed=packed, y=y: kern(x, packed, y)),
+            "quant_linear_in_graph_us": graph_us(lambda mod=mod, x=x: mod(x)),
             "launches_per_call": float(launches),
+            "quant_linear_on_kernel": float(mod.prepare(m) is not None),  # 0: the table sends M to cuBLAS
         }
         r["quant_linear_above_driver_us"] = r["quant_linear_us"] - launches * r["raw_launch_us"]
         res.update({(k_ if label == "in_proj_ba" else f"{label}_{k_}"): v for k_, v in r.items()})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -83,13 +83,19 @@ def ptr_arg(t: Any) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
-def current_stream(index: int) -> int:
-    """The raw handle of torch's current stream on device ``index``: torch's own fast accessor where
-    it exists (building a torch.cuda.Stream object costs microseconds on every launch)."""
+@lru_cache(maxsize=1)
+def stream_getter() -> Callable[[int], int]:
+    """index -> the raw handle of torch's current stream on that device: torch's own fast accessor
+    where it exists (building a torch.cuda.Stream object costs microseconds on every launch)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return int(raw(index)) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    return raw if raw is not None else lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of torch's current stream on device ``index``."""
+    return int(stream_getter()(index))
 
 
 @lru_cache(maxsize=1)
@@ -106,6 +112,19 @@ def _raw_launch() -> Any:
     return fn
 
 
+@lru_cache(maxsize=1)
+def _untyped_launch() -> Any:
+    """cuLaunchKernel through ctypes without argtypes, for ``LaunchArgs``: every argument is passed
+    as an existing ctypes object, so ctypes converts nothing (per-call conversion of 11 Python ints
+    through argtypes is about half of ctypes' cost of a launch)."""
+    try:
+        fn = ctypes.PyDLL("libcuda.so.1")["cuLaunchKernel"]  # [] gives a fresh function object
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class ArgPack:
     """Persistent storage for one kernel's parameters (ctypes types in parameter order) and the
     array of their addresses that cuLaunchKernel reads. Fill ``values`` and launch under ``lock``."""
@@ -115,6 +134,34 @@ class ArgPack:
         self._ptrs = (ctypes.c_void_p * len(types))(*[ctypes.addressof(v) for v in self.values])
         self.address = ctypes.addressof(self._ptrs)
         self.lock = threading.Lock()
+
+
+class LaunchArgs:
+    """Every cuLaunchKernel argument of one kernel launch as persistent ctypes storage: the function,
+    grid, block, shared bytes, stream and the address of an ``ArgPack``. Update the ``grid`` and
+    ``stream`` values in place and call ``launch`` (caller holds the pack's lock)."""
+
+    def __init__(self, fn: Function, grid: Sequence[int], block: Sequence[int], pack: ArgPack,
+                 shared: int = 0) -> None:
+        self.fn = fn
+        self.pack = pack
+        self.grid = [ctypes.c_uint(g) for g in grid]
+        self.stream = ctypes.c_void_p(0)
+        self._args = (ctypes.c_void_p(fn._raw_handle), *self.grid, *[ctypes.c_uint(b) for b in block],
+                      ctypes.c_uint(shared), self.stream, ctypes.c_void_p(pack.address), None)
+        self._block = tuple(block)
+        self._shared = shared
+        self._raw = _untyped_launch()
+
+    def launch(self) -> None:
+        raw = self._raw
+        if raw is None:  # no libcuda through ctypes: cuda-python's launch, same arguments
+            grid = tuple(g.value for g in self.grid)
+            self.fn.launch_pack(grid, self._block, self.pack, self.stream.value or 0, self._shared)
+            return
+        err = raw(*self._args)
+        if err:
+            check((cu().CUresult(err),), f"launching {self.fn.name}")
 
 
 class Function:

@@ -8,6 +8,7 @@ on torch's current stream, so it is safe under CUDA graph capture.
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import torch
 
 from dflashgen.prepack import Layout, PackedWeight, family
 
-from .driver import ArgPack, Function, Module, current_stream, ensure_context
+from .driver import ArgPack, Function, LaunchArgs, Module, ensure_context, stream_getter
+
+_F16 = torch.float16
 
 
 class KernelInputError(ValueError):
@@ -43,15 +46,14 @@ class GemmKernel:
         tiles = self.n_pad // self.layout.tile_rows
         per_cta = entry["tile"]["warp_nt"] * entry["tile"]["warps_n"]
         self._grid_y = -(-tiles // per_cta)
-        self.device = torch.device(device.type, device.index if device.index is not None else 0)
+        self.device = torch.device("cuda", device.index or 0) if device.type == "cuda" else device
         self.image_path = image_path
         self._fns: tuple[Function, Function | None] | None = None
         self._last_weight: tuple[weakref.ref[torch.Tensor] | None, ...] | None = None
-        self._dev_index = self.device.index
-        # x, M, weights, scales, col_scale, out, workspace | workspace, M, col_scale, out
-        self._main_args = ArgPack([ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5])
-        self._reduce_args = ArgPack([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+        # what x.get_device() reports for a tensor on the kernel's device (-1: CPU, for fakes in tests)
+        self._dev_index: int = self.device.index if self.device.type == "cuda" else -1
         self._workspaces: dict[int, torch.Tensor] = {}
+        self._generic: GemmLaunch | None = None  # the launch __call__ rebinds to each call's weight
 
     def _functions(self) -> tuple[Function, Function | None]:
         if self._fns is None:  # loaded on first launch, so validation needs no GPU
@@ -138,6 +140,18 @@ class GemmKernel:
             self._workspaces[stream] = ws
         return ws
 
+    def prepare(self, w: PackedWeight, m: int) -> GemmLaunch:
+        """A launch bound to weight ``w`` and M rows, validated here once: calling it with a
+        fitting x writes two pointers and launches (``GemmLaunch.__call__``)."""
+        if not isinstance(w, PackedWeight):
+            _fail(f"{self.name}: weight must be a PackedWeight from dflashgen.prepack, got {type(w).__name__}")
+        if m < 1 or m > self.max_m:
+            _fail(f"{self.name}: M={m} outside the supported range 1..{self.max_m}")
+        self._validate_weight(w)
+        launch = GemmLaunch(self)
+        launch.bind(w, m)
+        return launch
+
     def __call__(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._quick_ok(x, out):
             m = x.shape[0]
@@ -145,28 +159,98 @@ class GemmKernel:
                 self.validate(x, w, out)
         else:
             m = self.validate(x, w, out)
-        fn, reduce_fn = self._functions()
         if out is None:
             out = x.new_empty((m, self.n_out))
-        stream = current_stream(self._dev_index)
-        ws = 0
-        if self.split_k > 1:
-            ws = (self._workspace(stream) if m <= 64 else
-                  torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=x.device)).data_ptr()
-        grid = (-(-m // self.rows), self._grid_y, self.split_k)  # row blocks fastest: weights hit L2
-        a = self._main_args
-        with a.lock:
-            v = a.values
-            v[0].value, v[1].value, v[2].value = x.data_ptr(), m, w.weights.data_ptr()
-            v[3].value = 0 if w.scales is None else w.scales.data_ptr()
-            v[4].value, v[5].value, v[6].value = w.col_scale.data_ptr(), out.data_ptr(), ws
-            fn.launch_pack(grid, (self.threads, 1, 1), a, stream)
-        if reduce_fn is not None:
-            r = self._reduce_args
-            with r.lock:
-                v = r.values
-                v[0].value, v[1].value, v[2].value, v[3].value = ws, m, w.col_scale.data_ptr(), out.data_ptr()
-                reduce_fn.launch_pack((-(-(m * self.n_out) // 256), 1, 1), (256, 1, 1), r, stream)
+        g = self._generic
+        if g is None:
+            g = self._generic = GemmLaunch(self)
+        with g.lock:
+            g.bind(w, m)
+            g.launch(x.data_ptr(), out.data_ptr(), g.get_stream(self._dev_index))
+        return out
+
+
+class GemmLaunch:
+    """One GemmKernel launch (plus its split-K reduce) with every argument in persistent ctypes
+    storage. ``bind`` writes the weight's pointers, M and the grid; ``launch`` writes x, out, the
+    stream and its split-K workspace, and launches. A launch bound once and kept (``GemmKernel.prepare``;
+    QuantLinear keeps one per input shape) costs two pointer writes per call. Fill and launch under ``lock``:
+    threads sharing a launch would otherwise interleave their pointers (a thread switch can come
+    between the writes and the driver call)."""
+
+    def __init__(self, kern: GemmKernel) -> None:
+        fn, reduce_fn = kern._functions()
+        self.kern = kern
+        self.lock = threading.Lock()
+        self.get_stream = stream_getter()
+        # calls through __call__, for KernelLibrary.path_counts (a cell: the count outlives the launch)
+        self.calls = [0]
+        self.count_key: tuple[str, int, str] | None = None
+        self.m = 0
+        self._dev = kern._dev_index
+        self._stream = -1  # the stream the workspace pointers were written for
+        # x, M, weights, scales, col_scale, out, workspace | workspace, M, col_scale, out
+        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1),
+                                ArgPack([ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5]))
+        self._reduce = None if reduce_fn is None else LaunchArgs(
+            reduce_fn, (1, 1, 1), (256, 1, 1),
+            ArgPack([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]))
+
+    def bind(self, w: PackedWeight, m: int) -> None:
+        """Point the launch at a validated weight and M rows (caller holds ``lock``)."""
+        kern, red = self.kern, self._reduce
+        v = self._main.pack.values
+        v[1].value, v[2].value = m, w.weights.data_ptr()
+        v[3].value = 0 if w.scales is None else w.scales.data_ptr()
+        v[4].value = w.col_scale.data_ptr()
+        self._main.grid[0].value = -(-m // kern.rows)  # row blocks fastest: weights hit L2
+        if red is not None:
+            r = red.pack.values
+            r[1].value, r[2].value = m, w.col_scale.data_ptr()
+            red.grid[0].value = -(-(m * kern.n_out) // 256)
+            if m > 64:
+                self._stream = -1  # above 64 rows each call gets its own workspace
+        self.m = m
+
+    def launch(self, x_ptr: int, out_ptr: int, stream: int) -> None:
+        """Launch on ``stream`` for x and out at these addresses (caller holds ``lock``)."""
+        main, red = self._main, self._reduce
+        v = main.pack.values
+        v[0].value, v[5].value = x_ptr, out_ptr
+        ws = None
+        if stream != self._stream:  # the split-K workspace is per stream (graphs keep their own)
+            main.stream.value = stream
+            if red is not None:
+                red.stream.value = stream
+                ws = self._workspace(stream)
+                v[6].value = red.pack.values[0].value = ws.data_ptr()
+            self._stream = stream if red is None or self.m <= 64 else -1
+        main.launch()
+        if red is not None:
+            red.pack.values[3].value = out_ptr
+            red.launch()
+        del ws  # a per-call workspace (M > 64) is freed once both launches are queued on the stream
+
+    def _workspace(self, stream: int) -> torch.Tensor:
+        kern = self.kern
+        if self.m <= 64:
+            return kern._workspace(stream)
+        return torch.empty((kern.split_k * self.m * kern.n_pad,), dtype=torch.float32, device=kern.device)
+
+    def __call__(self, x: torch.Tensor, out_shape: tuple[int, ...]) -> torch.Tensor | None:
+        """y of shape ``out_shape`` (M x N_out elements) = the kernel on x, a torch.Tensor of
+        M x K elements whose shape the caller has checked ([..., K] with M rows in all), or None
+        when x does not fit in some other way (dtype, device, layout, alignment) or another thread
+        holds the launch: then the caller takes the validated path."""
+        if (x.dtype is not _F16 or x.get_device() != self._dev or not x.is_contiguous()
+                or (xp := x.data_ptr()) % 16 or not self.lock.acquire(False)):
+            return None
+        try:
+            out = x.new_empty(out_shape)
+            self.launch(xp, out.data_ptr(), self.get_stream(self._dev))
+            self.calls[0] += 1
+        finally:
+            self.lock.release()
         return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections import Counter
 from functools import cache, lru_cache
 from importlib import resources
@@ -23,10 +24,12 @@ from dflashgen.prepack import Layout, PackedWeight, prepack, unpack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
 
 from .images import resolve
-from .kernels import GemmKernel, native_arch
+from .kernels import GemmKernel, GemmLaunch, native_arch
 from .table import Choice, TableError, TuningTable, problem_key, slug
 
 log = logging.getLogger("dflashgen")
+
+_Dispatch = tuple[Choice, str, tuple[str, int, str]]  # choice, table key, path_counts key
 
 
 @lru_cache(maxsize=1)
@@ -98,10 +101,14 @@ class KernelLibrary:
         self.build_dir = build_dir
         self.cache_dequantized = cache_dequantized
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.path_counts: Counter[tuple[str, int, str]] = Counter()
+        self._counts: Counter[tuple[str, int, str]] = Counter()  # calls through gemm()
+        self._launches: weakref.WeakSet[GemmLaunch] = weakref.WeakSet()  # prepared: they count their own calls
         self._kernels: dict[str, GemmKernel] = {}
         self.image_sources: dict[str, str] = {}  # kernel -> "package" | "cache" | "built"
-        self._choices: dict[tuple[Layout, int], tuple[Choice, str]] = {}
+        # per layout, per M: the choice, the table key and the path_counts key; found through the
+        # layout's identity first (a frozen dataclass re-hashes its fields on every lookup)
+        self._choices: dict[Layout, dict[int, _Dispatch]] = {}
+        self._by_id: dict[int, tuple[Layout, dict[int, _Dispatch]]] = {}
         self._entries: dict[str, dict[str, Any]] | None = None
         self.table: TuningTable | None = None
         path = table if isinstance(table, Path) else None
@@ -154,15 +161,46 @@ class KernelLibrary:
     def choose(self, packed: PackedWeight, m: int) -> Choice:
         return self._dispatch(packed.layout, m)[0]
 
-    def _dispatch(self, layout: Layout, m: int) -> tuple[Choice, str]:
-        # memoised per (layout, M) with the table key: dispatch sits on every call's host path
-        memo = self._choices.get((layout, m))
+    def _dispatch(self, layout: Layout, m: int) -> _Dispatch:
+        # memoised: dispatch sits on every call's host path
+        per_layout = self._by_id.get(id(layout))
+        if per_layout is None or per_layout[0] is not layout:  # the entry holds layout, so ids stay unique
+            if len(self._by_id) > 4096:
+                self._by_id.clear()  # layouts made per call (lib.pack in a loop) must not pile up
+            per_layout = self._by_id[id(layout)] = (layout, self._choices.setdefault(layout, {}))
+        memo = per_layout[1].get(m)
         if memo is None:
             key = _layout_key(layout)
             choice = (Choice("fallback", None, m, "no tuning table") if self.table is None
                       else self.table.lookup(key, m))
-            memo = self._choices[(layout, m)] = (choice, key)
+            memo = per_layout[1][m] = (choice, key, (key, m, choice.path))
         return memo
+
+    @property
+    def path_counts(self) -> Counter[tuple[str, int, str]]:
+        """Calls per (problem key, M, path "kernel" | "fallback"), a snapshot: calls through ``gemm``
+        plus those of prepared launches (``prepare``; QuantLinear's eager fast path), which count
+        their own calls and are folded in here."""
+        live = list(self._launches)  # held while summing, so none is retired (folded) twice
+        counts = Counter(self._counts)
+        for launch in live:
+            counts[launch.count_key] += launch.calls[0]
+        return counts
+
+    def _retire(self, count_key: tuple[str, int, str], calls: list[int]) -> None:
+        self._counts[count_key] += calls[0]  # a dead launch's calls still count
+
+    def prepare(self, packed: PackedWeight, m: int) -> GemmLaunch | None:
+        """The kernel launch for M rows of ``packed`` with its arguments written (validated once),
+        or None where the table sends M to the fallback (cuBLAS-bound: ``gemm`` serves it)."""
+        choice, _, count_key = self._dispatch(packed.layout, m)
+        if choice.path != "kernel" or choice.kernel is None:
+            return None
+        launch = self.kernel(choice.kernel).prepare(packed, m)
+        launch.count_key = count_key
+        self._launches.add(launch)
+        weakref.finalize(launch, self._retire, count_key, launch.calls).atexit = False
+        return launch
 
     def kernel(self, name: str) -> GemmKernel:
         if name not in self._kernels:
@@ -176,8 +214,8 @@ class KernelLibrary:
 
     def gemm(self, x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        choice, key = self._dispatch(packed.layout, m)
-        self.path_counts[(key, m, choice.path)] += 1
+        choice, _, count_key = self._dispatch(packed.layout, m)
+        self._counts[count_key] += 1
         if choice.path == "kernel" and choice.kernel is not None:
             return self.kernel(choice.kernel)(x, packed, out)
         y = self._fallback(x, packed)

@@ -12,6 +12,7 @@ reloaded buffers are always the ones used.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,19 @@ import torch
 from dflashgen.prepack import Layout, PackedWeight, prepack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, WeightError
 
+from .kernels import GemmLaunch
 from .library import KernelLibrary, dequantize_packed, fallback_gemm
 
 __all__ = ["DEFAULT_ARCH", "QuantLinear", "quant_linear"]
 
 DEFAULT_ARCH = 90
+
+_is_compiling = torch.compiler.is_compiling  # bound once: the eager path asks on every call
+
+# Launches are prepared automatically for decode / verify shapes only (M <= 64 rows: 8 x requests),
+# at most this many input shapes per module: a prefill's varying lengths must not pile them up.
+PREPARE_MAX_M = 64
+PREPARE_MAX_SHAPES = 32
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,19 @@ def _(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, col_s
     return x.new_empty((x.shape[0], lay.n // 2 if lay.silu else lay.n))
 
 
+class _Operands:
+    """A QuantLinear's buffers as they were when this was made, as a PackedWeight, and the
+    prepared launches for them, with y's shape, by input shape (None: M takes the fallback)."""
+
+    __slots__ = ("weights", "scales", "bits", "packed", "launches")
+
+    def __init__(self, layout: Layout, weights: torch.Tensor, scales: torch.Tensor | None,
+                 bits: torch.Tensor) -> None:
+        self.weights, self.scales, self.bits = weights, scales, bits
+        self.packed = PackedWeight(layout, weights, scales, bits.view(torch.float32))
+        self.launches: dict[tuple[int, ...], tuple[GemmLaunch, tuple[int, ...]] | None] = {}  # y's shape
+
+
 def _to(w: NVFP4Weight | FP8ChannelWeight, device: torch.device) -> NVFP4Weight | FP8ChannelWeight:
     if isinstance(w, NVFP4Weight):
         return NVFP4Weight(w.packed.to(device), w.block_scale.to(device), w.global_scale.to(device), w.segments)
@@ -118,7 +140,7 @@ class QuantLinear(torch.nn.Module):
         # Stored as int32 bits so module.half() / .to(dtype) cannot round the fp32 scales.
         self.register_buffer("col_scale_bits", packed.col_scale.view(torch.int32))
         self._library = library
-        self._packed: tuple[Any, Any, Any, PackedWeight] | None = None
+        self._ops: _Operands | None = None
         self._handle = _register(library, self.layout, self)
 
     @property
@@ -145,47 +167,83 @@ class QuantLinear(torch.nn.Module):
     def library(self) -> KernelLibrary | None:
         return self._library
 
-    def packed(self) -> PackedWeight:
-        """The module's operands as a PackedWeight; the same object while the buffers are the same
-        (``.to()`` / ``load_state_dict`` replace them), so kernels validate it once."""
+    def _operands(self) -> _Operands:
+        """The buffers as a PackedWeight and its prepared launches; rebuilt when a buffer is
+        replaced (``.to()``, ``load_state_dict(assign=True)``, assignment), so kernels validate the
+        new buffers and the launches take their addresses."""
         b = self._buffers  # direct: nn.Module attribute lookup of buffers is slow on the hot path
-        c = self._packed
-        if c is None or c[0] is not b["weights"] or c[1] is not b["scales"] or c[2] is not b["col_scale_bits"]:
-            pw = PackedWeight(self.layout, b["weights"], b["scales"], b["col_scale_bits"].view(torch.float32))
-            c = self._packed = (b["weights"], b["scales"], b["col_scale_bits"], pw)
-        return c[3]
+        o = self._ops
+        if (o is None or o.weights is not b["weights"] or o.scales is not b["scales"]
+                or o.bits is not b["col_scale_bits"]):
+            o = self._ops = _Operands(self.layout, b["weights"], b["scales"], b["col_scale_bits"])
+        return o
+
+    def packed(self) -> PackedWeight:
+        """The module's operands as a PackedWeight; the same object while the buffers are the same."""
+        return self._operands().packed
+
+    def prepare(self, *lead: int) -> GemmLaunch | None:
+        """The kernel launch for inputs [*lead, K] (M = prod(lead) rows) with its arguments
+        written, kept for the eager fast path; the first validated call at each input shape makes
+        it. None where M takes the fallback."""
+        entry = self._prepare((*lead, self.layout.k))
+        return None if entry is None else entry[0]
+
+    def _prepare(self, shape: tuple[int, ...]) -> tuple[GemmLaunch, tuple[int, ...]] | None:
+        o = self._operands()
+        if shape not in o.launches:
+            lead = shape[:-1]
+            launch = None if self._library is None else self._library.prepare(o.packed, math.prod(lead))
+            o.launches[shape] = None if launch is None else (launch, (*lead, self.out_features))
+        return o.launches[shape]
 
     def dequantize(self) -> torch.Tensor:
         """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
         return dequantize_packed(self.packed())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = self._library
-        if (lib is not None and type(x) is torch.Tensor and x.dim() == 2 and x.is_cuda and x.is_floating_point()
-                and x.shape[1] == self.layout.k and x.is_contiguous() and not torch.compiler.is_compiling()):
-            # Eager fast path, the decode loop's call: a contiguous [M, K] goes straight to the launch
-            # the op makes, minus the dispatcher round trip and the reshapes (each view costs ~1-2 us
-            # of host time). torch.compile, export and tensor subclasses (fake tensors) still see the
-            # opaque custom op.
-            return lib.gemm(x, self.packed())
-        k = self.layout.k
+        if type(x) is torch.Tensor and not _is_compiling():
+            # Eager fast path, the decode loop's call: a launch prepared for this input shape (the
+            # key; [..., K], M rows in all) checks x's dtype, device and layout, allocates y in
+            # [..., N] directly, writes two pointers and launches. Anything else (and the first call
+            # at each shape) takes the validated path below. torch.compile, export and tensor
+            # subclasses see the custom op.
+            entry = self._operands().launches.get(x.shape)
+            if entry is not None and (y := entry[0](x, entry[1])) is not None:
+                return y
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib, k = self._library, self.layout.k
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).contiguous()  # kernels need a contiguous [M, K]
-        if lib is not None and type(x2) is torch.Tensor and x2.is_cuda and not torch.compiler.is_compiling():
-            return lib.gemm(x2, self.packed()).reshape(*lead, self.out_features)
-        y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
-        return y.reshape(*lead, self.out_features)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # kernels: [M, K]
+        if lib is not None and type(x) is torch.Tensor and x.is_cuda and not _is_compiling():
+            # the launch the op would make, minus the dispatcher round trip (tens of us)
+            y = lib.gemm(x2, self.packed())
+            if (x.dtype is torch.float16 and x.is_contiguous() and x2.shape[0] <= PREPARE_MAX_M
+                    and len(self._operands().launches) < PREPARE_MAX_SHAPES):
+                self._prepare(tuple(x.shape))  # validated: the next call at this shape is a fast one
+        else:
+            y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+        return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        self._ops = None  # .to() / .cuda() / .half() replace the buffers: drop the old ones now
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, format={self.fmt}, N={self.layout.n}, K={self.layout.k}, "
                 f"silu={self.silu}, arch=sm_{self.layout.arch}, segments={self.segments}, "
                 f"path={'library' if self._library is not None else 'fallback'}")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # prepared launches (locks, ctypes storage) belong to this module's buffers and process
+        return {**self.__dict__, "_ops": None}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy / unpickle: the copy gets its own handle (the original's dies with it).
         super().__setstate__(state)
-        self._packed = None
+        self._ops = None
         self._handle = _register(self._library, self.layout, self)

@@ -165,3 +165,243 @@ def test_library_path_on_gpu() -> None:
     silu = QuantLinear(w, "gu", silu=True, library=lib).to(lib.device)
     compiled = torch.compile(silu, fullgraph=True)
     assert rel_l2(compiled(x).cpu(), reference_silu_mul(reference_gemm(x.cpu(), w))) < 1e-3
+
+
+# -- the eager fast path (prepared launches), on CPU: a KernelLibrary whose table sends M = 8 and 16
+# to a kernel, the kernel's functions and cuLaunchKernel replaced by a recorder. CPU tensors stand in
+# for the kernel's device (x.get_device() == -1 on both sides).
+
+class _Recorder:
+    """cuLaunchKernel's stand-in: records (function, grid, stream, kernel arguments) per launch,
+    reading the parameters through the addresses the driver would read."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[int, ...], int, list[int]]] = []
+
+    def __call__(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+        import ctypes
+
+        ptrs = (ctypes.c_void_p * 7).from_address(params.value)
+        n = 7 if fn.value == 1 else 4  # main kernel: 7 parameters; reduce: 4
+        vals = [ctypes.c_void_p.from_address(ptrs[i]).value or 0 for i in range(n)]
+        vals[1] = ctypes.c_int.from_address(ptrs[1]).value  # M
+        self.calls.append((fn.value, (gx.value, gy.value, gz.value), stream.value or 0, vals))
+        return 0
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """(make_library, recorder): libraries on the CPU with a table sending M in (8, 16) to the
+    committed sm_90 kernel for the layout, every other M to the fallback."""
+    import types
+    from pathlib import Path
+
+    from dflashgen.runtime import driver, kernels, library
+    from dflashgen.runtime.table import Choice
+
+    rec = _Recorder()
+
+    class Fn:
+        def __init__(self, name: str, handle: int) -> None:
+            self.name, self.handle, self._raw_handle = name, handle, handle
+
+    monkeypatch.setattr(library, "native_arch", lambda dev: 90)
+    monkeypatch.setattr(library, "machine_fingerprint", lambda dev: {})
+    monkeypatch.setattr(library, "resolve", lambda entry, arch, build_dir=None:
+                        types.SimpleNamespace(path=Path("/nonexistent"), source="fake"))
+    monkeypatch.setattr(kernels.GemmKernel, "_functions",
+                        lambda self: (Fn(self.name, 1), Fn(self.name + "_reduce", 2) if self.split_k > 1 else None))
+    monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
+    monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
+
+    def make(fmt: str = "nvfp4", n: int = N, k: int = K, split_k: int = 1) -> library.KernelLibrary:
+        lib = library.KernelLibrary(device=torch.device("cpu"), table=Path("/nonexistent"))
+        base = next(e for e in lib.entries().values() if e["arch"] == 90 and e["format"] == fmt
+                    and e["epilogue"] == "store" and e["tile"]["rows"] == 8 and e["kplan"]["split_k"] == split_k)
+        entry = {**base, "name": f"fake_{fmt}_n{n}_k{k}", "n": n, "k": k, "n_out": n, "n_pad": n}
+        lib.entries()[entry["name"]] = entry
+
+        def lookup(key: str, m: int) -> Choice:
+            if m in (8, 16):
+                return Choice("kernel", entry["name"], m, "fake table")
+            return Choice("fallback", None, m, "fake table")
+
+        lib.table = types.SimpleNamespace(lookup=lookup)
+        return lib
+
+    return make, rec
+
+
+def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
+    make, rec = fake_gpu
+    n, k = 24, 5120  # GDN in_proj_ba's shape at TP4, split-K: a reduce launch after the main one
+    lib = make("nvfp4", n, k, split_k=2)
+    mod = QuantLinear(_weight("nvfp4", n, k), "in_proj_ba", library=lib)
+    assert mod.prepare(4) is None  # M = 4 goes to the fallback: nothing to prepare
+    launch = mod.prepare(8)
+    assert launch is not None and mod.prepare(8) is launch
+    x = _x(8, k)
+    y = mod(x)
+    assert y.shape == (8, n) and y.dtype == torch.float16
+    assert [c[0] for c in rec.calls] == [1, 2]  # main, then reduce
+    (_, grid, stream, main), (_, rgrid, rstream, red) = rec.calls
+    pw = mod.packed()
+    ws = lib._kernels[launch.kern.name]._workspaces[7].data_ptr()
+    assert main == [x.data_ptr(), 8, pw.weights.data_ptr(), pw.scales.data_ptr(), pw.col_scale.data_ptr(),
+                    y.data_ptr(), ws]
+    assert red == [ws, 8, pw.col_scale.data_ptr(), y.data_ptr()]
+    assert stream == rstream == 7 and grid == (1, launch.kern._grid_y, launch.kern.split_k)
+    assert rgrid == (1, 1, 1)  # 8 x 24 outputs: one block of 256
+    x2 = _x(8, k, seed=5)  # a second call writes only the new x and out
+    y2 = mod(x2)
+    assert rec.calls[2][3][0] == x2.data_ptr() and rec.calls[2][3][5] == y2.data_ptr()
+    assert rec.calls[2][3][2:5] == main[2:5]
+
+
+def test_fast_path_guards_fall_back_to_the_validated_path(fake_gpu) -> None:
+    make, rec = fake_gpu
+    lib = make()
+    w = _weight("nvfp4")
+    mod = QuantLinear(w, "p", library=lib)
+    launch = mod.prepare(8)
+    x = _x(8)
+    mod(x)
+    assert len(rec.calls) == 1
+    buf = torch.zeros(8 * K + 8, dtype=torch.float16)
+    declined = {
+        "dtype": x.float(),
+        "non-contiguous": x.t().contiguous().t(),
+        "misaligned": buf[1: 1 + 8 * K].view(8, K).copy_(x),
+        "M not prepared": _x(9),
+        "3-D": x[None],
+        "subclass": torch.nn.Parameter(x, requires_grad=False),
+    }
+    for what, xx in declined.items():
+        y = mod(xx)  # a CPU x on the validated path: the fallback, exact to the reference
+        assert len(rec.calls) == 1, f"{what}: launched through the prepared launch"
+        assert rel_l2(y.reshape(-1, N), reference_gemm(xx.reshape(-1, K), w)) < 1e-3, what
+    launch._dev = 0  # a launch for another device declines this x
+    mod(x)
+    assert len(rec.calls) == 1
+    launch._dev = -1
+    with launch.lock:  # another thread inside the launch: this call takes the validated path
+        mod(x)
+    assert len(rec.calls) == 1
+    mod(x)
+    assert len(rec.calls) == 2
+    # what the validated path rejects is still rejected, with the same errors
+    with pytest.raises(ValueError, match=r"p: expected a float input \[\.\.\., 256\]"):
+        mod(torch.zeros(8, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float input"):
+        mod(torch.zeros(8, K, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float input"):
+        mod(torch.zeros(8, K + 64, dtype=torch.float16))
+
+
+def test_fast_path_follows_replaced_buffers(fake_gpu) -> None:
+    make, rec = fake_gpu
+    lib = make()
+    mod = QuantLinear(_weight("nvfp4"), "p", library=lib)
+    other = QuantLinear(_weight("nvfp4", seed=7), "p", library=lib)
+    x = _x(8)
+    old = mod.prepare(8)
+    mod.load_state_dict(other.state_dict())  # in place (copy_): same buffers, same launch
+    assert mod.prepare(8) is old
+    mod(x)
+    assert rec.calls[-1][3][2] == mod.weights.data_ptr()
+    fresh = {k_: v.clone() for k_, v in other.state_dict().items()}
+    mod.load_state_dict(fresh, assign=True)  # new buffer objects: the launch is rebuilt for them
+    assert mod.weights is fresh["weights"]
+    n_calls = len(rec.calls)
+    mod(x)  # no prepared launch for the new buffers yet: the validated path (the CPU fallback)
+    assert len(rec.calls) == n_calls
+    new = mod.prepare(8)
+    assert new is not old
+    mod(x)
+    assert rec.calls[-1][3][2:5] == [fresh["weights"].data_ptr(), fresh["scales"].data_ptr(),
+                                     fresh["col_scale_bits"].data_ptr()]
+    mod.scales = mod.scales.clone()  # one buffer replaced by assignment
+    assert mod.prepare(8) is not new
+    mod.to("cpu")  # .to() drops the prepared launches at once (the old buffers are not kept alive)
+    assert mod._ops is None
+    mod.prepare(8)
+    assert mod.__getstate__()["_ops"] is None  # copies and pickles get none (locks, ctypes storage)
+
+
+def test_fast_path_any_leading_dims(fake_gpu) -> None:
+    make, rec = fake_gpu
+    lib = make()
+    w = _weight("nvfp4")
+    mod = QuantLinear(w, "p", library=lib)
+    launch = mod.prepare(2, 4)  # [B, T, K] as the decode loop passes it: M = 8 rows
+    assert launch is not None and launch.m == 8 and mod.prepare(8) is not launch
+    x = _x(8).reshape(2, 4, K)
+    y = mod(x)
+    assert y.shape == (2, 4, N) and rec.calls[-1][3][:2] == [x.data_ptr(), 8]
+    assert rec.calls[-1][3][5] == y.data_ptr() and launch.calls[0] == 1
+    assert mod.prepare(3, 4) is None and mod.prepare(1, 1) is None  # M = 12, 1: the fallback
+    n_calls = len(rec.calls)
+    y = mod(_x(12).reshape(3, 4, K))
+    assert y.shape == (3, 4, N) and len(rec.calls) == n_calls
+
+
+def test_fast_path_calls_are_counted(fake_gpu) -> None:
+    make, rec = fake_gpu
+    lib = make()
+    mod = QuantLinear(_weight("nvfp4"), "p", library=lib)
+    mod.prepare(8)
+    mod.prepare(16)
+    for _ in range(3):
+        mod(_x(8))
+    mod(_x(16))
+    key = lib.key(mod.packed())
+    assert lib.path_counts[(key, 8, "kernel")] == 3 and lib.path_counts[(key, 16, "kernel")] == 1
+    del mod
+    gc.collect()
+    assert lib.path_counts[(key, 8, "kernel")] == 3  # a dead module's calls still count
+    mod2 = QuantLinear(_weight("nvfp4"), "p", library=lib)
+    mod2.prepare(8)
+    mod2(_x(8))
+    assert lib.path_counts[(key, 8, "kernel")] == 4
+
+
+def test_fast_path_is_thread_safe(fake_gpu) -> None:
+    import threading
+
+    make, rec = fake_gpu
+    lib = make()
+    mod = QuantLinear(_weight("nvfp4"), "p", library=lib)
+    mod.prepare(8)
+    seen: list[tuple[int, int]] = []
+
+    def worker(seed: int) -> None:
+        x = _x(8, seed=seed)
+        for _ in range(200):
+            y = mod(x)
+            seen.append((x.data_ptr(), y.data_ptr()))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    launched = {(c[3][0], c[3][5]) for c in rec.calls}
+    # every launch carried one call's own x and out (never another thread's half-written pair);
+    # calls that found the launch busy took the validated path instead
+    assert len(seen) == 800 and launched <= set(seen)
+    assert lib.path_counts[(lib.key(mod.packed()), 8, "kernel")] == len(rec.calls)
+
+
+def test_overhead_table_keeps_the_cited_keys() -> None:
+    import json
+    from pathlib import Path
+
+    from dflashgen.overhead import TABLE, markdown
+
+    old = json.loads(Path(__file__).parent.parent.joinpath("bench/h200-2026-11-29-s3/overhead.json").read_text())
+    keys = {k for k, _ in TABLE}
+    cited = {k.removeprefix("o_proj_") for k in old} - {"launches_per_call"}
+    assert cited <= keys  # the bench READMEs cite these; new keys are added, none renamed
+    md = markdown({**old, "torch_add_us": 3.0})
+    assert md.splitlines()[0].startswith("| host us per call |") and "| 5.96 | 5.70 |" in md
+    assert "x.add_(0) (an elementwise launch, no allocation) | 3.00 |  |" in md

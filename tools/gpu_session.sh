@@ -17,7 +17,7 @@ step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $(
 want build && step dflashgen build --arch 90 -j 16 --no-spills -q 2>&1 | tail -3
 want verify && step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee "$OUT/verify.log"
 want pytest && step python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
-want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail -8 | tee "$OUT/overhead.txt"
+want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail -20 | tee "$OUT/overhead.txt"
 if want tune; then
   TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
   step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
