@@ -11,8 +11,36 @@
 #pragma once
 
 #include "mma_traits.cuh"
+#ifdef DFLASHGEN_WGMMA
+#include "wgmma.cuh"
+#endif
 
 namespace dflashgen {
+
+// Cfg::WGMMA where the kernel's K plan is `wgmma` (only such Cfgs declare it).
+template <class...>
+using void_t = void;
+__host__ __device__ constexpr int gcd_c(int a, int b) { return b == 0 ? a : gcd_c(b, a % b); }
+template <int V>
+struct IntC {
+  static constexpr int value = V;
+};
+// f(IntC<0>{}), ..., f(IntC<N - 1>{}): compile-time step indices for lambdas.
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (I < N) {
+    f(IntC<I>{});
+    static_for<N, I + 1>(f);
+  }
+}
+template <class C, class = void>
+struct CfgWgmma {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWgmma<C, void_t<decltype(C::WGMMA)>> {
+  static constexpr bool value = C::WGMMA;
+};
 
 template <class Cfg>
 struct SkinnyGemm {
@@ -29,13 +57,20 @@ struct SkinnyGemm {
   static_assert(Cfg::K % T::KG == 0, "K must be a multiple of the group size");
   static_assert(G >= WORKERS, "more K workers than K groups");
   static_assert(Cfg::ROWS % 8 == 0, "ROWS must be a multiple of 8");
+  // WGMMA (sm_90a): a warpgroup (4 consecutive warps, one 16-row weight tile each) issues
+  // wgmma.m64nROWSk16 with A from the warps' decoded fragments and B from its shared-memory ring.
+  static constexpr bool WG = CfgWgmma<Cfg>::value;
+  static_assert(!WG || (Cfg::WARPS_N == 4 && Cfg::WARP_NT == 1 && Cfg::X_SMEM && Cfg::ROWS <= 64),
+                "WGMMA: warps_n = 4 (one warpgroup per K worker), warp_nt = 1, x_smem, rows <= 64");
 
   // X_SMEM: each K worker (the WARPS_N warps that share its K range) stages its groups' activations
   // in a shared-memory ring of XST stages, copied once by the worker's threads with cp.async XST - 1
   // groups ahead, and every warp reads its B fragments from there (LDS.128): no activation
   // registers held across groups and no load-to-use stall on L1/L2 per group. The ring is dead by
   // the time the K reduction needs `red`, so they share the storage.
-  static constexpr int XST = Cfg::X_SMEM ? Cfg::STAGES : 1;
+  // WGMMA keeps one more stage: a stage is rewritten only once the wgmma group that read it has
+  // retired (wait_group 1 keeps the newest in flight), so the copy runs XST - 2 groups ahead.
+  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : Cfg::STAGES;
   static constexpr int XCHUNKS = Cfg::ROWS * T::XCPR;      // 16-byte chunks per stage
   static constexpr int XTHR = 32 * Cfg::WARPS_N;            // copiers: the worker's threads
   static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
@@ -116,7 +151,11 @@ struct SkinnyGemm {
         }
 
       constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
-      if constexpr (Cfg::X_SMEM) {
+      if constexpr (WG) {
+#ifdef DFLASHGEN_WGMMA
+        run_wgmma(x, M, m0, gb, groups, wk, wn, lane, wp, sp, wbuf, sbuf, acc, smem);
+#endif
+      } else if constexpr (Cfg::X_SMEM) {
         run_xsmem<U>(x, M, m0, gb, groups, wk, wn, lane, wp, sp, wbuf, sbuf, acc, smem);
       } else {
       // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
@@ -331,6 +370,133 @@ struct SkinnyGemm {
     }
     cp_async_wait<0>();
   }
+
+#ifdef DFLASHGEN_WGMMA
+  // The WGMMA main loop. Per K group a of the warpgroup (ascending, as in the mma.sync paths):
+  // wait for its activation stage (all copiers: cp.async wait, proxy fence, barrier), refill the
+  // stage of group a - 2 (retired) with group a + XST - 2, decode the weights (the register ring
+  // as in the other paths) into A fragments, then wgmma.fence, the group's k-steps in ascending
+  // order into the same accumulators, commit, and wait until at most this group is in flight (so
+  // group a - 1's A registers and stage are free). The decode of group a + 1 overlaps group a's
+  // wgmmas.
+  //
+  // The stage holds the activations permuted the way the sm_80/90 prepack permutes K inside each
+  // 32-K sub-block p (Sm80Traits): k-step 2p + s reads logical k (8c + 2t, +1) from physical
+  // 32p + 8t + 4s + 2c + {0,1}. So the 16-byte source chunk (batch row n, physical 32p + 8t..+7)
+  // splits into its four 4-byte words: word w -> k-step 2p + (w >> 1), K half c = w & 1, pair t.
+  // Copier mapping: chunk q -> t = q % 4, row-in-block r = q / 4 % 8, (p, nb) from q / 32, so the
+  // 32 lanes of a warp write one word each of 32 consecutive 4-byte words: no bank conflicts.
+  __device__ static void run_wgmma(const __half* __restrict__ x, int M, int m0, int gb, int groups, int wk, int wn,
+                                   int lane, const uint4* (&wp)[Cfg::WARP_NT],
+                                   const typename T::Scale* (&sp)[Cfg::WARP_NT],
+                                   uint4 (&wbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   typename T::Scale (&sbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   float (&acc)[Cfg::WARP_NT][NT8][T::NACC], Smem& smem) {
+    using L = WgmmaBLayout<Cfg::ROWS>;
+    constexpr int KSTEPS = T::KG / 16;
+    constexpr int SB = XCHUNKS * 16;  // bytes per stage
+    constexpr int D = XST - 1;        // groups the copy runs ahead
+    static_assert(D >= 1, "WGMMA needs >= 3 shared-memory stages");
+    static_assert(SB == KSTEPS * L::KSTEP, "stage size");
+    const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[wk][0][0]));
+    const uint64_t desc0 = L::desc_base() + (ring >> 4);
+
+    // Copier chunks of this thread (128 per warpgroup): q = xt + 128 i. Rows at or past M copy row
+    // M - 1 (their output columns are never stored); stages of groups past the worker's range are
+    // not written (no wgmma reads them).
+    const int xt = wn * 32 + lane;
+    const int xrows = M - m0;
+    const __half* srcp[XPER];
+    int dst_off[XPER];
+    bool cp_on[XPER];
+#pragma unroll
+    for (int i = 0; i < XPER; ++i) {
+      const int q = xt + XTHR * i;
+      const int t = q & 3, r = (q >> 2) & 7, rest = q >> 5;
+      const int p = rest % T::KSUB, nb = rest / T::KSUB;
+      const int n = 8 * nb + r;
+      cp_on[i] = XCHUNKS % XTHR == 0 || q < XCHUNKS;
+      srcp[i] = x + static_cast<size_t>(m0 + (n < xrows ? n : xrows - 1)) * Cfg::K + static_cast<size_t>(gb) * T::KG +
+                32 * p + 8 * t;
+      dst_off[i] = L::offset(2 * p, n, 0, t);
+    }
+    auto copy = [&](auto slot_c, auto koff_c, const bool more) {
+      if (more) {
+#pragma unroll
+        for (int i = 0; i < XPER; ++i)
+          if (cp_on[i])
+            cp_async4x4<L::LBO, L::KSTEP, decltype(koff_c)::value * 2>(ring + decltype(slot_c)::value * SB + dst_off[i],
+                                                                        srcp[i]);
+      }
+      cp_async_commit();
+    };
+    int steps = 0;  // lockstep over the CTA's workers, as in run_xsmem
+#pragma unroll
+    for (int w = 0; w < Cfg::WARPS_K; ++w) {
+      const int v = blockIdx.z * Cfg::WARPS_K + w;
+      steps = max(steps, (v + 1) * G / WORKERS - v * G / WORKERS);
+    }
+    static_for<D>([&](auto s) { copy(s, IntC<decltype(s)::value * T::KG>{}, decltype(s)::value < groups); });
+
+    // Group a = g + u (g a multiple of U, itself a multiple of STAGES and XST): its weight ring
+    // slot, activation stage and descriptors are compile-time per step.
+    auto step = [&](auto u_c, const int a) {
+      constexpr int u = decltype(u_c)::value;
+      cp_async_wait<D - 1>();
+      fence_proxy_async_smem();
+      __syncthreads();
+      copy(IntC<(u + D) % XST>{}, IntC<(u + D) * T::KG>{}, a + D < groups);
+      constexpr int slot = u % XST;
+      if (a >= groups) return;  // warpgroup-uniform: only a worker with fewer groups, last step
+      const int s = u % Cfg::STAGES;
+      typename T::Frag frag;
+      T::decode(wbuf[s][0], sbuf[s][0], frag);
+      wbuf[s][0] = ld_stream(wp[0] + (u + Cfg::STAGES) * 32);
+      if constexpr (NVFP4) sbuf[s][0] = __ldg(sp[0] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+      // Every wgmma input (A fragments, descriptors, accumulators) is defined before the fence:
+      // a non-wgmma instruction defining one between wgmma.fence and the wgmmas makes ptxas
+      // serialize them (C7513).
+      uint64_t desc[KSTEPS];
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        desc[ks] = desc0 + ((slot * SB + ks * L::KSTEP) >> 4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag.a[ks][r]);
+      }
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) wgmma_rs<Cfg::ROWS>(frag.a[ks], desc[ks], acc[0]);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+    };
+
+    constexpr int U = Cfg::STAGES * XST / gcd_c(Cfg::STAGES, XST);
+    int g = 0;
+    for (; g + U < steps; g += U) {
+      static_for<U>([&](auto u) { step(u, g + decltype(u)::value); });
+      wp[0] += U * 32;
+      if constexpr (NVFP4) sp[0] += U * T::SCALE_WORDS;
+#pragma unroll
+      for (int i = 0; i < XPER; ++i) {
+        srcp[i] += U * T::KG;
+        asm volatile("" : "+l"(srcp[i]));
+      }
+    }
+    static_for<U>([&](auto u) {
+      if (g + decltype(u)::value < steps) step(u, g + decltype(u)::value);
+    });
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+      for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
+    cp_async_wait<0>();
+  }
+#endif  // DFLASHGEN_WGMMA
 
   // Split-K combine: partials summed in split order, then the epilogue. One thread per output.
   __device__ static void reduce(const float* __restrict__ partial, int M, const float* __restrict__ col_scale,
