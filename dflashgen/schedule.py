@@ -111,7 +111,8 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.tile.warps_n * self.kplan.warps_k
+        # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
+        return 32 * self.tile.warps_n * self.kplan.warps_k + 32 * self.kplan.wgmma
 
     @property
     def target(self) -> str:
@@ -215,8 +216,9 @@ def k_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
     split-K alternatives (`k_plan.alt_split_k`, warps_k of the derived plan or half of it) that the
     cost model predicts within `alt_slack` of the derived plan's best at M = 8 or 16 (it cannot
     rank them finer than that: the tuner measures), at most `max_alt_plans` of them, best first;
-    then the wgmma plans (sm_90, `wgmma_plans`). A function of (arch, format, N, K) only -- never of M -- so whichever plan the tuner picks
-    (once per problem, jointly over all M buckets) is shared by every tile."""
+    then the wgmma plans (sm_90, `wgmma_plans`). A function of (arch, format, N, K) only -- never
+    of M -- so whichever plan the tuner picks (once per problem, jointly over all M buckets) is
+    shared by every tile."""
     return _mma_sync_plans(arch, fmt, n, k) + wgmma_plans(arch, fmt, n, k)
 
 

@@ -103,7 +103,7 @@ def test_wgmma_kernels_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     if not nvcc_supports(90):
         pytest.skip("no system nvcc for sm_90")
     names = ["dfg_sm90_nvfp4_store_n34816_k5120_sk1_wk1_kg64_wg1_r64_nt1_wn4_st3_xa0_xs1_mb1",
-             "dfg_sm90_fp8_silu_n34816_k5120_sk1_wk1_kg32_wg1_r8_nt1_wn4_st3_xa0_xs1_mb1"]
+             "dfg_sm90_fp8_silu_n34816_k5120_sk1_wk2_kg32_wg1_r8_nt1_wn4_st3_xa0_xs1_mb1"]
     res = build([90], only="^(" + "|".join(names) + ")$", build_dir=tmp_path, progress=False)
     rec = json.loads((tmp_path / "sm_90" / "record.json").read_text())["kernels"]
     for name in names:

@@ -32,7 +32,7 @@ struct Cfg {
 using Gemm = dflashgen::SkinnyGemm<Cfg>;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(288)
 dfg_sm90_fp8_store_n5120_k1536_sk2_wk2_kg32_wg1_r64_nt1_wn4_st3_xa0_xs1_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
     const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial) {
   __shared__ Gemm::Smem smem;

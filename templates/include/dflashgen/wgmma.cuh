@@ -69,18 +69,18 @@ __device__ __forceinline__ void wgmma_rs(const u32 (&a)[4], uint64_t desc, float
 }
 
 // The four 4-byte words of the 16-byte activation chunk at gmem + OFF bytes, with 4-byte cp.async
-// (.ca: the only form below 16 bytes): word w to smem_addr + (w >> 1) * D1 + (w & 1) * D0. All
-// offsets are immediates. No predicate inside the asm: with one (`@p cp.async`), ptxas serialized
-// the kernel's wgmmas (C7513); callers branch around it instead.
-template <int D0, int D1, int OFF>
+// (.ca: the only form below 16 bytes): word w to smem_addr + DOFF + (w >> 1) * D1 + (w & 1) * D0.
+// All offsets are immediates. No predicate inside the asm (`@p cp.async`): callers branch around
+// it (with one, ptxas 13.0 serialized the wgmmas of a kernel that copied in its MMA warps, C7513).
+template <int D0, int D1, int OFF, int DOFF>
 __device__ __forceinline__ void cp_async4x4(unsigned smem_addr, const void* gmem) {
   asm volatile(
-      "{cp.async.ca.shared.global [%0], [%1+%2], 4;\n"
-      " cp.async.ca.shared.global [%0+%3], [%1+%4], 4;\n"
-      " cp.async.ca.shared.global [%0+%5], [%1+%6], 4;\n"
-      " cp.async.ca.shared.global [%0+%7], [%1+%8], 4;}"
-      :: "r"(smem_addr), "l"(gmem), "n"(OFF), "n"(D0), "n"(OFF + 4), "n"(D1), "n"(OFF + 8), "n"(D0 + D1),
-         "n"(OFF + 12) : "memory");
+      "{cp.async.ca.shared.global [%0+%3], [%1+%2], 4;\n"
+      " cp.async.ca.shared.global [%0+%4], [%1+%5], 4;\n"
+      " cp.async.ca.shared.global [%0+%6], [%1+%7], 4;\n"
+      " cp.async.ca.shared.global [%0+%8], [%1+%9], 4;}"
+      :: "r"(smem_addr), "l"(gmem), "n"(OFF), "n"(DOFF), "n"(DOFF + D0), "n"(OFF + 4), "n"(DOFF + D1),
+         "n"(OFF + 8), "n"(DOFF + D0 + D1), "n"(OFF + 12) : "memory");
 }
 
 // Generic-proxy writes to shared memory (cp.async, st.shared) -> visible to the async proxy
