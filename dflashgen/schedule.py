@@ -162,7 +162,7 @@ class KernelSpec:
         x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4  # per 8 rows, per group
         pipeline = self.tile.stages * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
-        if self.kplan.wgmma:  # two groups of A fragments live (one read by the wgmma in flight), copier offsets
+        if self.kplan.wgmma:  # A fragments (x2: generous), descriptors; no activation registers
             chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
             return acc + 2 * a_frag + pipeline + 3 * chunks + 40
         # activations: current group + the one being fetched, or just the current one
@@ -472,8 +472,9 @@ def _instr_per_group(spec: KernelSpec) -> float:
     sm_70/sm_80 decode in software (about twice as many)."""
     nvfp4 = spec.fmt == "nvfp4"
     if spec.kplan.wgmma:
-        # decode as mma.sync, plus barrier/fences/wgmma issue per group; per 8 rows only the 4-byte
-        # cp.async copies (rows x KG x 2 bytes per warpgroup, 4 bytes per instruction) -- estimate
+        # decode as mma.sync, plus barrier and wgmma issue per group; per 8 rows only the producer
+        # warp's 4-byte cp.async copies (rows x KG x 2 bytes per group) spread over the warp tiles
+        # -- an estimate, not yet calibrated on the H200
         base, per8 = (64.0 + 12.0, 3.0) if nvfp4 else (14.0 + 12.0, 1.5)
         return base + per8 * (spec.tile.rows // 8 - 1)
     base, per8 = (64.0, 6.0) if nvfp4 else (14.0, 3.4)

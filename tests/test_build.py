@@ -113,3 +113,12 @@ def test_wgmma_kernels_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
         log = art.log.read_text()
         assert "for 'sm_90a'" in log and "C75" not in log, log
         assert ".target sm_90a" in art.ptx.read_text()
+
+
+def test_wgmma_kernel_compiles_with_the_pip_toolchain(tmp_path: Path) -> None:
+    """NVRTC 12.9 + ptxas 12.9 from the wheels (machines without a system nvcc) take the sm_90a target."""
+    name = "dfg_sm90_fp8_store_n14336_k5120_sk1_wk2_kg32_wg1_r8_nt1_wn4_st3_xa0_xs1_mb1"
+    res = build([90], only=f"^{name}$", build_dir=tmp_path, progress=False, prefer="nvrtc")
+    art = res.artifacts[name]
+    log = art.log.read_text()
+    assert "for 'sm_90a'" in log and "C75" not in log and " 0 bytes spill stores" in log, log
