@@ -489,7 +489,7 @@ struct SkinnyGemm {
     constexpr int KSTEPS = T::KG / 16;
     constexpr int SB = XCHUNKS * 16;
     const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[wk][0][0]));
-    const uint64_t desc0 = L::desc_base() + (ring >> 4);
+    const uint64_t desc0 = L::desc_base() + ((ring >> 4) & 0x3FFF);  // 14-bit start field, as CuTe
     const int steps = wgmma_steps();
 
     auto step = [&](auto u_c, const int a) {

@@ -10,7 +10,8 @@
 //   matrices of 8 batch rows x 16 bytes (8 K values), 128 contiguous bytes. The descriptor's
 //   leading-byte offset is the stride between the two core matrices along K, its stride-byte
 //   offset the stride between 8-row blocks along N (CuTe make_gmma_desc<Major::K>, INTERLEAVE:
-//   ((8,n),2):((1,SBO),LBO) in 16-byte units).
+//   ((8,n),2):((1,SBO),LBO) in 16-byte units). Checked on sm_90a SASS: for this stage layout CuTe's
+//   make_gmma_desc<Major::K> yields the same descriptor as desc_base() (LBO 8, SBO 16, INTERLEAVE).
 // - D (64 x N FP32) in registers: per warp the m16n8 C layout repeated over N/8, so element e of
 //   8-row block j is what acc[j][e] holds in the mma.sync path.
 #pragma once
