@@ -89,12 +89,14 @@ def write_ninja(build_dir: Path, kernels: Sequence[dict[str, Any]], plans: dict[
             tmp = src.with_name(f".{src.name}.{os.getpid()}")
             tmp.write_text(text)
             os.replace(tmp, src)
+        # target: the compute_/sm_ suffix; "90a" for kernels using arch-specific features (wgmma)
+        target = str(k.get("target", k["arch"]))
         fp = fingerprint(__version__, k["source_sha256"], header_hash(src.read_text()), plan.version, plan.frontend,
-                         " ".join(CXX_FLAGS), str(k["arch"]))
+                         " ".join(CXX_FLAGS), target)
         art = _artifact(build_dir, k["arch"], k["name"], fp)
         rule = "nvrtc" if plan.frontend == "nvrtc" else "nvcc_ptx"
-        lines += [f"build {art.ptx}: {rule} {src}", f"  arch = {k['arch']}", f"  name = {k['name']}",
-                  f"build {art.cubin}: ptxas {art.ptx}", f"  arch = {k['arch']}", f"  name = {k['name']}",
+        lines += [f"build {art.ptx}: {rule} {src}", f"  arch = {target}", f"  name = {k['name']}",
+                  f"build {art.cubin}: ptxas {art.ptx}", f"  arch = {target}", f"  name = {k['name']}",
                   f"  ptxas = {plan.ptxas}", f"  log = {art.log}", ""]
         art.cubin.parent.mkdir(parents=True, exist_ok=True)
         arts.append(art)

@@ -34,6 +34,7 @@ MANIFEST = "manifest.json"
 FAMILY_MODULES: dict[str, str] = {"attention": "dflashgen.attention_family", "gdn": "dflashgen.gdn_family",
                                   "rejection": "dflashgen.rejection"}
 MMA_NAME = {"sm70": "mma.sync.m8n8k4 / HMMA.884", "sm80": "mma.sync.m16n8k16 / HMMA.16816"}
+WGMMA_NAME = "wgmma.m64nNk16, A from registers, B from shared memory / HGMMA; sm_90a"
 
 
 @lru_cache(maxsize=1)
@@ -49,7 +50,8 @@ def render_kernel(spec: KernelSpec) -> str:
     lay = spec.layout
     return _env().get_template("skinny_gemm.cu.j2").render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
-        mma=MMA_NAME[spec.fam], fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
+        mma=WGMMA_NAME if spec.kplan.wgmma else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,
+        fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
         n_out=spec.n_out, split_k=spec.kplan.split_k, warps_k=spec.kplan.warps_k, kg=spec.kplan.k_group,
         rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
         x_ahead=spec.tile.x_ahead, x_smem=spec.tile.x_smem,

@@ -37,6 +37,7 @@ class ArchSpace:
     tiles: dict[str, list[int]]
     limits: dict[str, int]
     max_m: int
+    wgmma: dict[str, Any] = field(default_factory=dict)  # sm_90 only: the wgmma K plans' space
 
 
 @cache
@@ -49,7 +50,7 @@ def load_space(arch: int) -> ArchSpace:
         space = ArchSpace(
             arch=int(raw["arch"]), mma=str(raw["mma"]), sms=int(raw["sms"]), k_plan=dict(raw["k_plan"]),
             tiles={k: [int(v) for v in vs] for k, vs in raw["tiles"].items()}, limits=dict(raw["limits"]),
-            max_m=int(raw["max_m"]),
+            max_m=int(raw["max_m"]), wgmma=dict(raw.get("wgmma") or {}),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"schedules/sm_{arch}.yaml: missing or bad field: {e}") from e
@@ -64,8 +65,12 @@ def load_space(arch: int) -> ArchSpace:
 @dataclass(frozen=True)
 class KPlan:
     split_k: int
-    warps_k: int
+    warps_k: int  # K workers per CTA: warps (mma.sync) or warpgroups of 4 warps (wgmma)
     k_group: int
+    # 1: sm_90a warpgroup MMA (wgmma.m64nNk16, A from the decoded registers, B from shared memory)
+    # instead of mma.sync. Part of the K plan: wgmma need not round like mma.sync, so a problem's
+    # M buckets never mix the two (the tuner picks one plan per problem).
+    wgmma: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,13 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.tile.warps_n * self.kplan.warps_k
+        # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
+        return 32 * self.tile.warps_n * self.kplan.warps_k + 32 * self.kplan.wgmma
+
+    @property
+    def target(self) -> str:
+        """The ptxas target: sm_90a for wgmma kernels (arch-specific features), else sm_<arch>."""
+        return f"{self.arch}a" if self.kplan.wgmma else str(self.arch)
 
     @property
     def epilogue(self) -> str:
@@ -117,7 +128,7 @@ class KernelSpec:
         # Every parameter that changes the code is in the name (CUTLASS-style).
         kp, t = self.kplan, self.tile
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
-                f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}"
+                f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}_mb{t.min_blocks}")
 
     @property
@@ -137,8 +148,10 @@ class KernelSpec:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
         red = max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
-        # x_smem: a ring of `stages` groups of activations per K worker, overlaid with `red`
-        ring = self.tile.stages * self.kplan.warps_k * self.tile.rows * self.kplan.k_group * 2
+        # x_smem: a ring of `stages` groups of activations per K worker (wgmma: one more), overlaid
+        # with `red`
+        ring = ((self.tile.stages + self.kplan.wgmma) * self.kplan.warps_k * self.tile.rows
+                * self.kplan.k_group * 2)
         return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
@@ -149,6 +162,9 @@ class KernelSpec:
         x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4  # per 8 rows, per group
         pipeline = self.tile.stages * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
+        if self.kplan.wgmma:  # A fragments (x2: generous), descriptors; no activation registers
+            chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
+            return acc + 2 * a_frag + pipeline + 3 * chunks + 40
         # activations: current group + the one being fetched, or just the current one
         xbuf = 2 if self.tile.x_ahead else 1
         if self.tile.x_smem:  # one LDS.128 per 8 rows in flight, copier offsets and ring indices
@@ -156,12 +172,18 @@ class KernelSpec:
         return acc + self.tile.warp_nt * a_frag + xbuf * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        kplan = asdict(self.kplan)
+        if not self.kplan.wgmma:
+            del kplan["wgmma"]  # mma.sync entries keep their pre-wgmma form
+        d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
-            "kplan": asdict(self.kplan), "tile": asdict(self.tile), "threads": self.threads,
+            "kplan": kplan, "tile": asdict(self.tile), "threads": self.threads,
             "smem_bytes": self.smem_bytes(), "serves": list(self.serves),
         }
+        if self.kplan.wgmma:
+            d["target"] = self.target
+        return d
 
 
 def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
@@ -193,9 +215,47 @@ def k_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
     """Every K plan the tuner may choose from for (arch, format, N, K): the derived one first, then
     split-K alternatives (`k_plan.alt_split_k`, warps_k of the derived plan or half of it) that the
     cost model predicts within `alt_slack` of the derived plan's best at M = 8 or 16 (it cannot
-    rank them finer than that: the tuner measures), at most `max_alt_plans` of them, best first.
-    A function of (arch, format, N, K) only -- never of M -- so whichever plan the tuner picks
-    (once per problem, jointly over all M buckets) is shared by every tile."""
+    rank them finer than that: the tuner measures), at most `max_alt_plans` of them, best first;
+    then the wgmma plans (sm_90, `wgmma_plans`). A function of (arch, format, N, K) only -- never
+    of M -- so whichever plan the tuner picks (once per problem, jointly over all M buckets) is
+    shared by every tile."""
+    return _mma_sync_plans(arch, fmt, n, k) + wgmma_plans(arch, fmt, n, k)
+
+
+def wgmma_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
+    """The wgmma K plan (sm_90 spaces with a `wgmma` section; N >= `wgmma.min_n`): for each
+    warpgroup count in `wgmma.warps_k`, the smallest power-of-two split_k that gives >=
+    `wgmma.min_ctas` CTAs per row block (a CTA is N / 64 weight rows) while every worker keeps
+    `min_groups_per_worker` groups; of those, the one the cost model puts fastest at M = max_m
+    (the bucket wgmma is for), fewer warpgroups on ties. At most one per problem, to keep the
+    kernel count down. A function of (arch, format, N, K) only, like every K plan."""
+    space = load_space(arch)
+    wg = space.wgmma
+    if not wg or n < wg.get("min_n", 0):
+        return []
+    lay = Layout(arch, fmt, n, k)
+    groups = k // lay.k_group
+    ctas = math.ceil(lay.n_pad // lay.tile_rows / 4)
+    min_groups = space.k_plan["min_groups_per_worker"]
+    best: tuple[float, int, KPlan] | None = None
+    for wk in wg["warps_k"]:
+        if groups // wk < min_groups:
+            continue
+        sk = 1
+        while (ctas * sk < wg["min_ctas"] and sk * 2 <= wg["max_split_k"]
+               and groups // (wk * sk * 2) >= min_groups):
+            sk *= 2
+        plan = KPlan(split_k=sk, warps_k=wk, k_group=lay.k_group, wgmma=1)
+        tiles = _wgmma_tiles(arch, fmt, n, k, False, plan, ())
+        if not tiles:
+            continue
+        us = min(model_us(t, space.max_m) for t in tiles)
+        if best is None or (us, wk) < best[:2]:
+            best = (us, wk, plan)
+    return [best[2]] if best else []
+
+
+def _mma_sync_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
     space = load_space(arch)
     base = k_plan(arch, fmt, n, k)
     lay = Layout(arch, fmt, n, k)
@@ -253,7 +313,19 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"{tiles} warp tiles not divisible by warp_nt={t.warp_nt}"
     if groups < spec.kplan.split_k * spec.kplan.warps_k:
         return f"{groups} K groups for {spec.kplan.split_k * spec.kplan.warps_k} K workers"
-    if t.x_smem:
+    if spec.kplan.wgmma:
+        wg = space.wgmma
+        if not wg:
+            return f"wgmma K plans only where the schedule space has a wgmma section (sm_90), not sm_{spec.arch}"
+        if not (t.warps_n == 4 and t.warp_nt == 1 and t.x_smem and not t.x_ahead):
+            return "wgmma tiles are one warpgroup per K worker (warps_n=4, warp_nt=1) with x_smem=1, x_ahead=0"
+        if t.rows not in (8, 16, 32, 64):
+            return f"wgmma rows={t.rows}: the instruction's N must be 8, 16, 32 or 64 here"
+        if t.stages < 2:
+            return "wgmma needs >= 2 stages (a ring of stages + 1 >= 3 activation stages)"
+        if spec.kplan.warps_k not in wg["warps_k"]:
+            return f"wgmma warps_k={spec.kplan.warps_k} not in {wg['warps_k']}"
+    elif t.x_smem:
         if spec.fam != "sm80":
             return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
         if t.x_ahead or t.warp_nt > 1 or t.rows < space.limits.get("x_smem_from_rows", 16) or t.stages < 2:
@@ -313,11 +385,28 @@ def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
                serves: tuple[str, ...] = ()) -> list[KernelSpec]:
     """Every legal kernel of the space for one problem (all its K plans), in a deterministic order."""
     out: list[KernelSpec] = []
-    plans = k_plans(arch, fmt, n, k)
+    plans = _mma_sync_plans(arch, fmt, n, k)
     alt_rows = load_space(arch).k_plan.get("alt_max_rows", 64)
     for i, plan in enumerate(plans):
         # alternatives are for the small-M buckets (SM fill); rows=8 still serves any M
         out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves) if i == 0 or c.tile.rows <= alt_rows]
+    for plan in wgmma_plans(arch, fmt, n, k):
+        out += _wgmma_tiles(arch, fmt, n, k, silu, plan, serves)
+    return out
+
+
+def _wgmma_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
+                 serves: tuple[str, ...]) -> list[KernelSpec]:
+    """A wgmma plan's tiles: one warpgroup (4 warps x 16 weight rows) per K worker, the CTA's
+    batch rows as the instruction's N, activations always through shared memory."""
+    wg = load_space(arch).wgmma
+    out = []
+    for rows in wg["rows"]:
+        for stages in wg["stages"]:
+            c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, 1, 4, stages, min_blocks=1, x_ahead=0, x_smem=1),
+                           serves)
+            if illegal_reason(c) is None and c not in out:
+                out.append(c)
     return out
 
 
@@ -371,6 +460,7 @@ def _occupancy_blocks(spec: KernelSpec) -> int:
 # ---------------------------------------------------------------------------------------------
 L2_REREAD = 0.3  # a re-read of a weight tile by another row block mostly hits L2
 MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 (H200 measured 643 TFLOP/s)
+WGMMA_TFLOPS = 1000.0  # wgmma FP16, FP32 accumulation (~1.6x the mma.sync measured; dense peak ~990)
 SM_GIPS = {70: 2.2 * 1.4, 80: 2.2 * 1.4, 90: 2.2 * 1.78}  # sustained G instructions/s per SM
 LATENCY_US = 1.0  # DRAM round trip under load: bytes in flight per warp are its stages
 READ_GBS = {70: 800.0, 80: 1800.0, 90: 4260.0}  # reference read bandwidth
@@ -381,6 +471,12 @@ def _instr_per_group(spec: KernelSpec) -> float:
     """SASS instructions per (warp tile, K group) of the main loop (bench/NOTES.md counts, sm_90);
     sm_70/sm_80 decode in software (about twice as many)."""
     nvfp4 = spec.fmt == "nvfp4"
+    if spec.kplan.wgmma:
+        # decode as mma.sync, plus barrier and wgmma issue per group; per 8 rows only the producer
+        # warp's 4-byte cp.async copies (rows x KG x 2 bytes per group) spread over the warp tiles
+        # -- an estimate, not yet calibrated on the H200
+        base, per8 = (64.0 + 12.0, 3.0) if nvfp4 else (14.0 + 12.0, 1.5)
+        return base + per8 * (spec.tile.rows // 8 - 1)
     base, per8 = (64.0, 6.0) if nvfp4 else (14.0, 3.4)
     if spec.arch < 89:
         base *= 1.9 if nvfp4 else 4.0
@@ -404,7 +500,8 @@ def model_us(spec: KernelSpec, m: int, bw_gbs: float = 0.0, sms: int = 0) -> flo
     wbytes = spec.n * spec.k * per_byte
     gx, gy, gz = spec.grid(m)
     t_mem = (1 + L2_REREAD * (gx - 1)) * wbytes / (bw * 1e3)
-    t_mma = 2 * gx * spec.tile.rows * lay.n_pad * spec.k / (MMA_TFLOPS.get(spec.arch, 100.0) * 1e6)
+    tflops = WGMMA_TFLOPS if spec.kplan.wgmma else MMA_TFLOPS.get(spec.arch, 100.0)
+    t_mma = 2 * gx * spec.tile.rows * lay.n_pad * spec.k / (tflops * 1e6)
     ctas = gx * gy * gz
     warps = spec.threads // 32
     res = resident_ctas(spec)

@@ -137,8 +137,9 @@ def plan_for(arch: int, prefer: str = "auto") -> Plan:
     return Plan(arch, "nvrtc", str(ptxas), f"nvrtc {nvrtc_version()} ptxas {_tool_version(str(ptxas))}")
 
 
-def nvrtc_compile(src: Path, out: Path, arch: int, extra: tuple[str, ...] = ()) -> str:
-    """CUDA C++ -> PTX for compute_<arch> with NVRTC. Returns the compiler log."""
+def nvrtc_compile(src: Path, out: Path, arch: int | str, extra: tuple[str, ...] = ()) -> str:
+    """CUDA C++ -> PTX for compute_<arch> with NVRTC (arch "90a": the arch-specific target, for
+    wgmma). Returns the compiler log."""
     lib = ctypes.CDLL(str(nvrtc_lib()))
     prog = ctypes.c_void_p()
     code = src.read_bytes()
@@ -202,17 +203,24 @@ def parse_ptxas_log(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def _target(text: str) -> str:
+    """A compute_/sm_ target suffix: digits, optionally with the arch-specific 'a' (90a)."""
+    if not re.fullmatch(r"\d+a?", text):
+        raise argparse.ArgumentTypeError(f"bad arch {text!r} (want e.g. 90 or 90a)")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflashgen.toolchain")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("nvrtc", help="CUDA C++ -> PTX with NVRTC 12")
     c.add_argument("src", type=Path)
     c.add_argument("-o", "--out", type=Path, required=True)
-    c.add_argument("--arch", type=int, required=True)
+    c.add_argument("--arch", type=_target, required=True)
     n = sub.add_parser("nvcc-ptx", help="CUDA C++ -> PTX with the system nvcc")
     n.add_argument("src", type=Path)
     n.add_argument("-o", "--out", type=Path, required=True)
-    n.add_argument("--arch", type=int, required=True)
+    n.add_argument("--arch", type=_target, required=True)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "nvrtc":
@@ -225,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             if nvcc is None:
                 raise ToolchainError("no system nvcc")
             tmp = args.out.with_name(f".{args.out.name}.{os.getpid()}.tmp")
-            cmd = [str(nvcc), "-ptx", f"-arch=compute_{args.arch}", *CXX_FLAGS, "-o", str(tmp), str(args.src)]
+            # arch-specific targets (90a) in the -gencode form: the `-arch=sm_90a` shorthand also ran
+            # a plain sm_90 pass that rejected wgmma (nvcc 13.0, HOPPER.md)
+            arch = (f"-gencode=arch=compute_{args.arch},code=compute_{args.arch}" if args.arch.endswith("a")
+                    else f"-arch=compute_{args.arch}")
+            cmd = [str(nvcc), "-ptx", arch, *CXX_FLAGS, "-o", str(tmp), str(args.src)]
             cmd += [f"-I{d}" for d in include_dirs(nvcc=True)]
             subprocess.run(cmd, check=True)
             os.replace(tmp, args.out)

@@ -93,3 +93,32 @@ def test_x_smem_kernel_compiles_without_spills_on_sm90(tmp_path: Path) -> None:
     res = build([90], only=f"^{name}$", build_dir=tmp_path, progress=False)
     rec = json.loads((tmp_path / "sm_90" / "record.json").read_text())["kernels"][name]["resources"]
     assert name in res.artifacts and rec["spill_stores"] == 0 and rec["spill_loads"] == 0
+
+
+def test_wgmma_kernels_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
+    """The wgmma K plan's kernels (HGMMA, sm_90a): built for the arch-specific target, no spills, and
+    no ptxas wgmma-serialization warnings (C75xx: ptxas inserted waits between the wgmmas)."""
+    from dflashgen.toolchain import nvcc_supports
+
+    if not nvcc_supports(90):
+        pytest.skip("no system nvcc for sm_90")
+    names = ["dfg_sm90_nvfp4_store_n34816_k5120_sk1_wk1_kg64_wg1_r64_nt1_wn4_st3_xa0_xs1_mb1",
+             "dfg_sm90_fp8_silu_n34816_k5120_sk1_wk2_kg32_wg1_r8_nt1_wn4_st3_xa0_xs1_mb1"]
+    res = build([90], only="^(" + "|".join(names) + ")$", build_dir=tmp_path, progress=False)
+    rec = json.loads((tmp_path / "sm_90" / "record.json").read_text())["kernels"]
+    for name in names:
+        r = rec[name]["resources"]
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+        art = res.artifacts[name]
+        log = art.log.read_text()
+        assert "for 'sm_90a'" in log and "C75" not in log, log
+        assert ".target sm_90a" in art.ptx.read_text()
+
+
+def test_wgmma_kernel_compiles_with_the_pip_toolchain(tmp_path: Path) -> None:
+    """NVRTC 12.9 + ptxas 12.9 from the wheels (machines without a system nvcc) take the sm_90a target."""
+    name = "dfg_sm90_fp8_store_n14336_k5120_sk1_wk2_kg32_wg1_r8_nt1_wn4_st3_xa0_xs1_mb1"
+    res = build([90], only=f"^{name}$", build_dir=tmp_path, progress=False, prefer="nvrtc")
+    art = res.artifacts[name]
+    log = art.log.read_text()
+    assert "for 'sm_90a'" in log and "C75" not in log and " 0 bytes spill stores" in log, log

@@ -107,3 +107,33 @@ def test_build_fingerprint_covers_exactly_the_included_headers() -> None:
     # ... and not another family's header
     assert header_hash(src) != header_hash("#include <dflashgen/verify_attention.cuh>")
     assert header_hash("no includes") == header_hash("")
+
+
+def test_wgmma_kernel_renders_its_plan_and_only_it_includes_wgmma() -> None:
+    cands = candidates(90, "nvfp4", 34816, 5120)
+    wg = next(c for c in cands if c.kplan.wgmma and c.tile.rows == 64)
+    src = render_kernel(wg)
+    assert "_wg1_r64_nt1_wn4_" in wg.name and f"{wg.name}(" in src
+    assert "#define DFLASHGEN_WGMMA 1" in src and "static constexpr bool WGMMA = true;" in src
+    assert "wgmma.m64nNk16" in src and "wgmma=1" in src
+    assert "static constexpr int WARPS_N = 4;" in src and "static constexpr bool X_SMEM = true;" in src
+    # mma.sync kernels of the same problem render exactly as before the wgmma plans existed
+    for c in (c for c in cands if not c.kplan.wgmma):
+        s = render_kernel(c)
+        assert "WGMMA" not in s and "wgmma" not in s
+
+
+def test_wgmma_manifest_entries_carry_the_sm90a_target() -> None:
+    from dflashgen.render import load_manifest
+
+    kernels = load_manifest()["kernels"]
+    wg = [k for k in kernels if k["kplan"].get("wgmma")]
+    assert wg and all(k["arch"] == 90 and k["target"] == "90a" and "_wg1_" in k["name"] for k in wg)
+    assert all("target" not in k and "_wg1_" not in k["name"] for k in kernels if not k["kplan"].get("wgmma"))
+    # every wgmma problem has a tile for every M bucket (rows 8..64) in its one plan
+    by_problem: dict[str, set[int]] = {}
+    for k in wg:
+        by_problem.setdefault(f"{k['format']}/{k['epilogue']}/{k['n']}/{k['k']}/{json.dumps(k['kplan'])}",
+                              set()).add(k["tile"]["rows"])
+    assert all(rows == {8, 16, 32, 64} for rows in by_problem.values())
+    assert len({p.rsplit("/", 1)[0] for p in by_problem}) == len(by_problem), "one wgmma plan per problem"

@@ -18,6 +18,7 @@ from dflashgen.schedule import (
     k_plans,
     load_space,
     model_us,
+    wgmma_plans,
 )
 
 SHAPES = [(14336, 5120), (5120, 6144), (96, 5120), (24, 5120), (34816, 5120), (5120, 17408), (5120, 1536),
@@ -127,7 +128,7 @@ def test_x_smem_tiles() -> None:
     # The CTA-staged activation tile (issue #4 item 2): m16n8k16 trait only, large row tiles only,
     # no activation registers (x_ahead=0), one warp tile per warp, within static shared memory.
     for arch in (80, 90):
-        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem]
+        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma]
         assert {c.tile.rows for c in xs} == ({32, 64} if arch == 90 else {64})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
         for c in xs:
@@ -145,3 +146,48 @@ def test_x_smem_tiles() -> None:
     assert "warps_n" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=8)))
     wide = replace(base, tile=replace(base.tile, rows=32, warps_n=4), kplan=KPlan(1, 4, 64))
     assert "threads" in illegal_reason(wide)
+
+
+def test_wgmma_plans_and_tiles() -> None:
+    # sm_90a wgmma: a K plan of its own (never mixed with mma.sync tiles), one warpgroup (4 warps x 16
+    # weight rows) per K worker, B always from shared memory, rows = the instruction's N.
+    for fmt in ("nvfp4", "fp8_channel"):
+        for n, k in ((34816, 5120), (5120, 17408), (5120, 6144), (14336, 5120)):
+            plans = wgmma_plans(90, fmt, n, k)
+            assert len(plans) == 1 and plans[0].wgmma == 1
+            assert plans[0] in k_plans(90, fmt, n, k) and plans[0] != k_plan(90, fmt, n, k)
+            wg = [c for c in candidates(90, fmt, n, k) if c.kplan.wgmma]
+            assert {c.tile.rows for c in wg} == {8, 16, 32, 64}, "every M bucket needs a tile of the plan"
+            for c in wg:
+                t = c.tile
+                assert (t.warps_n, t.warp_nt, t.x_smem, t.x_ahead) == (4, 1, 1, 0)
+                assert c.kplan == plans[0] and "_wg1_" in c.name and c.target == "90a"
+                assert c.to_dict()["target"] == "90a" and c.to_dict()["kplan"]["wgmma"] == 1
+                assert c.smem_bytes() <= load_space(90).limits["smem_bytes"]
+                # ring of stages + 1 activation stages per warpgroup
+                assert c.smem_bytes() >= (t.stages + 1) * c.kplan.warps_k * t.rows * c.kplan.k_group * 2
+            ctas = -(-n // 64) * plans[0].split_k
+            assert ctas >= load_space(90).wgmma["min_ctas"] or plans[0].split_k == load_space(90).wgmma["max_split_k"] \
+                or k // plans[0].k_group // (plans[0].split_k * 2 * plans[0].warps_k) < 4
+    # mma.sync entries keep their form (no wgmma key, no target)
+    sync = [c for c in candidates(90, "nvfp4", 34816, 5120) if not c.kplan.wgmma]
+    assert sync and all("wgmma" not in c.to_dict()["kplan"] and "target" not in c.to_dict() for c in sync)
+    assert all("_wg" not in c.name for c in sync)
+    # only sm_90; not for tiny N
+    for arch in (70, 80):
+        assert wgmma_plans(arch, "nvfp4", 34816, 5120) == []
+        assert not any(c.kplan.wgmma for c in candidates(arch, "nvfp4", 34816, 5120))
+    assert wgmma_plans(90, "nvfp4", 24, 5120) == []
+    base = KernelSpec(90, "nvfp4", 34816, 5120, False, KPlan(1, 1, 64, wgmma=1),
+                      Tile(64, 1, 4, 3, x_ahead=0, x_smem=1))
+    assert illegal_reason(base) is None
+    assert "sm_80" in illegal_reason(replace(base, arch=80))
+    for bad in (dict(warps_n=2), dict(warp_nt=2), dict(x_smem=0), dict(x_ahead=1)):
+        assert "warpgroup" in illegal_reason(replace(base, tile=replace(base.tile, **bad)))
+    assert "rows" in illegal_reason(replace(base, tile=replace(base.tile, rows=24)))
+    assert "shared memory" in illegal_reason(replace(base, kplan=KPlan(1, 2, 64, wgmma=1)))  # 2 x 4 x 8 KB
+    assert "warps_k" in illegal_reason(replace(base, kplan=KPlan(1, 4, 64, wgmma=1), tile=replace(base.tile, rows=8)))
+    # the cost model gives wgmma a higher MMA rate: at M = 64 its r64 tile never models slower than
+    # the same-shaped mma.sync x_smem tile
+    sync64 = replace(base, kplan=KPlan(1, 1, 64), tile=replace(base.tile, warps_n=4))
+    assert model_us(base, 64) <= model_us(sync64, 64)

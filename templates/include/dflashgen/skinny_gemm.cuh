@@ -11,8 +11,36 @@
 #pragma once
 
 #include "mma_traits.cuh"
+#ifdef DFLASHGEN_WGMMA
+#include "wgmma.cuh"
+#endif
 
 namespace dflashgen {
+
+// Cfg::WGMMA where the kernel's K plan is `wgmma` (only such Cfgs declare it).
+template <class...>
+using void_t = void;
+__host__ __device__ constexpr int gcd_c(int a, int b) { return b == 0 ? a : gcd_c(b, a % b); }
+template <int V>
+struct IntC {
+  static constexpr int value = V;
+};
+// f(IntC<0>{}), ..., f(IntC<N - 1>{}): compile-time step indices for lambdas.
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (I < N) {
+    f(IntC<I>{});
+    static_for<N, I + 1>(f);
+  }
+}
+template <class C, class = void>
+struct CfgWgmma {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWgmma<C, void_t<decltype(C::WGMMA)>> {
+  static constexpr bool value = C::WGMMA;
+};
 
 template <class Cfg>
 struct SkinnyGemm {
@@ -22,20 +50,27 @@ struct SkinnyGemm {
   static constexpr int WORKERS = Cfg::SPLIT_K * Cfg::WARPS_K;
   static constexpr int TILES = Cfg::N_PAD / T::TILE_ROWS;
   static constexpr int ACC = Cfg::WARP_NT * NT8 * T::NACC;
-  static constexpr int THREADS = 32 * Cfg::WARPS_N * Cfg::WARPS_K;
+  static constexpr int THREADS = 32 * Cfg::WARPS_N * Cfg::WARPS_K + (CfgWgmma<Cfg>::value ? 32 : 0);
   static constexpr bool NVFP4 = Cfg::FORMAT == Format::NVFP4;
   static constexpr bool SILU = Cfg::EPILOGUE == Epilogue::SiluMul;
   static constexpr int N_OUT = SILU ? Cfg::N / 2 : Cfg::N;
   static_assert(Cfg::K % T::KG == 0, "K must be a multiple of the group size");
   static_assert(G >= WORKERS, "more K workers than K groups");
   static_assert(Cfg::ROWS % 8 == 0, "ROWS must be a multiple of 8");
+  // WGMMA (sm_90a): a warpgroup (4 consecutive warps, one 16-row weight tile each) issues
+  // wgmma.m64nROWSk16 with A from the warps' decoded fragments and B from its shared-memory ring.
+  static constexpr bool WG = CfgWgmma<Cfg>::value;
+  static_assert(!WG || (Cfg::WARPS_N == 4 && Cfg::WARP_NT == 1 && Cfg::X_SMEM && Cfg::ROWS <= 64),
+                "WGMMA: warps_n = 4 (one warpgroup per K worker), warp_nt = 1, x_smem, rows <= 64");
 
   // X_SMEM: each K worker (the WARPS_N warps that share its K range) stages its groups' activations
   // in a shared-memory ring of XST stages, copied once by the worker's threads with cp.async XST - 1
   // groups ahead, and every warp reads its B fragments from there (LDS.128): no activation
   // registers held across groups and no load-to-use stall on L1/L2 per group. The ring is dead by
   // the time the K reduction needs `red`, so they share the storage.
-  static constexpr int XST = Cfg::X_SMEM ? Cfg::STAGES : 1;
+  // WGMMA keeps one more stage: a stage is rewritten only once the wgmma group that read it has
+  // retired (wait_group 1 keeps the newest in flight), so the copy runs XST - 2 groups ahead.
+  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : Cfg::STAGES;
   static constexpr int XCHUNKS = Cfg::ROWS * T::XCPR;      // 16-byte chunks per stage
   static constexpr int XTHR = 32 * Cfg::WARPS_N;            // copiers: the worker's threads
   static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
@@ -57,6 +92,14 @@ struct SkinnyGemm {
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
                              __half* __restrict__ out, float* __restrict__ partial, Smem& smem) {
+#ifdef DFLASHGEN_WGMMA
+    if constexpr (WG) {
+      if (threadIdx.x >= 32 * Cfg::WARPS_N * Cfg::WARPS_K) {  // the activation producer warp
+        produce_wgmma(x, M, smem);
+        return;
+      }
+    }
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
     const int tile0 = (blockIdx.y * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
@@ -116,7 +159,11 @@ struct SkinnyGemm {
         }
 
       constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
-      if constexpr (Cfg::X_SMEM) {
+      if constexpr (WG) {
+#ifdef DFLASHGEN_WGMMA
+        run_wgmma(groups, wk, wp, sp, wbuf, sbuf, acc, smem);
+#endif
+      } else if constexpr (Cfg::X_SMEM) {
         run_xsmem<U>(x, M, m0, gb, groups, wk, wn, lane, wp, sp, wbuf, sbuf, acc, smem);
       } else {
       // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
@@ -331,6 +378,168 @@ struct SkinnyGemm {
     }
     cp_async_wait<0>();
   }
+
+#ifdef DFLASHGEN_WGMMA
+  // WGMMA. One warpgroup per K worker (4 consecutive warps, one 16-row weight tile each) streams
+  // and decodes its weights exactly as the other paths, and per K group a (ascending, as in the
+  // mma.sync paths) issues wgmma.fence, the group's k-steps in ascending order into the same FP32
+  // accumulators (A: the decoded fragments, B: the group's activation stage in shared memory),
+  // commit and wait. One extra warp per CTA (the producer, the last warp) copies every worker's
+  // activations into its ring of XST stages, XST - 1 groups ahead, and alone pays the proxy fence
+  // that makes them visible to wgmma: fence.proxy.async compiles to MEMBAR.ALL.CTA, which in a
+  // weight-streaming warp would also wait for its weight loads in flight.
+  //
+  // A stage holds the activations permuted the way the sm_80/90 prepack permutes K inside each
+  // 32-K sub-block p (Sm80Traits): k-step 2p + s reads logical k (8c + 2t, +1) from physical
+  // 32p + 8t + 4s + 2c + {0,1}. So the 16-byte source chunk (batch row n, physical 32p + 8t..+7)
+  // splits into its four 4-byte words: word w -> k-step 2p + (w >> 1), K half c = w & 1, pair t.
+  // Producer lane mapping: chunk i of the lane is t = lane % 4, row n = 8 (i / KSUB) + lane / 4,
+  // sub-block p = i % KSUB, so the 32 lanes write 32 consecutive 4-byte words (no bank conflicts)
+  // and every offset but the lane's base is an immediate.
+  static constexpr int WG_U = Cfg::STAGES * XST / gcd_c(Cfg::STAGES, XST);  // stage and ring slot compile-time
+
+  // Groups the CTA's K workers step through in lockstep (one barrier per group): the most any has.
+  __device__ static int wgmma_steps() {
+    int steps = 0;
+#pragma unroll
+    for (int w = 0; w < Cfg::WARPS_K; ++w) {
+      const int v = blockIdx.z * Cfg::WARPS_K + w;
+      steps = max(steps, (v + 1) * G / WORKERS - v * G / WORKERS);
+    }
+    return steps;
+  }
+
+  __device__ static void produce_wgmma(const __half* __restrict__ x, int M, Smem& smem) {
+    using L = WgmmaBLayout<Cfg::ROWS>;
+    constexpr int SB = XCHUNKS * 16;   // bytes per stage
+    constexpr int D = XST - 1;         // groups the copy runs ahead
+    constexpr int CPL = XCHUNKS / 32;  // chunks per lane and stage
+    static_assert(XCHUNKS % 32 == 0 && SB == T::KG / 16 * L::KSTEP, "stage layout");
+    const int lane = threadIdx.x & 31;
+    const int t = lane & 3, r = lane >> 2;
+    const int m0 = blockIdx.x * Cfg::ROWS;
+    const int xrows = M - m0;
+    const __half* src[Cfg::WARPS_K];
+    unsigned dst[Cfg::WARPS_K];
+    int gbeg[Cfg::WARPS_K], gcnt[Cfg::WARPS_K];
+#pragma unroll
+    for (int w = 0; w < Cfg::WARPS_K; ++w) {
+      const int v = blockIdx.z * Cfg::WARPS_K + w;
+      gbeg[w] = v * G / WORKERS;
+      gcnt[w] = (v + 1) * G / WORKERS - gbeg[w];
+      src[w] = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(gbeg[w]) * T::KG + 8 * t;
+      dst[w] = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[w][0][0])) + L::offset(0, r, 0, t);
+    }
+    // Group a + (koff / KG) of every worker into stage SLOT, where the worker has it. Rows at or
+    // past M are not copied: their stale B columns only feed output columns that are never stored.
+    auto copy = [&](auto slot_c, auto koff_c, const int a) {
+      constexpr int slot = decltype(slot_c)::value, koff = decltype(koff_c)::value;
+#pragma unroll
+      for (int w = 0; w < Cfg::WARPS_K; ++w) {
+        if (a + koff / T::KG < gcnt[w]) {
+          static_for<CPL>([&](auto i_c) {
+            constexpr int i = decltype(i_c)::value, p = i % T::KSUB, nb = i / T::KSUB;
+            if (8 * nb + r < xrows)
+              cp_async4x4<L::LBO, L::KSTEP, 2 * (nb * 8 * Cfg::K + 32 * p + koff),
+                          slot * SB + L::offset(2 * p, 8 * nb, 0, 0)>(dst[w], src[w]);
+          });
+        }
+      }
+      cp_async_commit();
+    };
+    const int steps = wgmma_steps();
+    static_for<D>([&](auto s) { copy(s, IntC<decltype(s)::value * T::KG>{}, 0); });
+    // Step a = g + u: group a's stage complete (own copies, fence, barrier: everyone's), then the
+    // stage of group a - 1 (retired: its consumers waited for their wgmmas before this barrier)
+    // gets group a + D.
+    auto step = [&](auto u_c, const int g) {
+      constexpr int u = decltype(u_c)::value;
+      cp_async_wait<D - 1>();
+      fence_proxy_async_smem();
+      __syncthreads();
+      copy(IntC<(u + D) % XST>{}, IntC<(u + D) * T::KG>{}, g);
+    };
+    int g = 0;
+    for (; g + WG_U < steps; g += WG_U) {
+      static_for<WG_U>([&](auto u) { step(u, g); });
+#pragma unroll
+      for (int w = 0; w < Cfg::WARPS_K; ++w) {
+        src[w] += WG_U * T::KG;
+        asm volatile("" : "+l"(src[w]));
+      }
+    }
+    static_for<WG_U>([&](auto u) {
+      if (g + decltype(u)::value < steps) step(u, g);
+    });
+    cp_async_wait<0>();
+    // the consumers' K reduction: `red` overlays the rings (see run)
+    if constexpr (Cfg::WARPS_K > 1) {
+      __syncthreads();
+      __syncthreads();
+    }
+  }
+
+  // A consumer warpgroup's main loop (see above).
+  __device__ static void run_wgmma(int groups, int wk, const uint4* (&wp)[Cfg::WARP_NT],
+                                   const typename T::Scale* (&sp)[Cfg::WARP_NT],
+                                   uint4 (&wbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   typename T::Scale (&sbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                   float (&acc)[Cfg::WARP_NT][NT8][T::NACC], Smem& smem) {
+    using L = WgmmaBLayout<Cfg::ROWS>;
+    constexpr int KSTEPS = T::KG / 16;
+    constexpr int SB = XCHUNKS * 16;
+    const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[wk][0][0]));
+    const uint64_t desc0 = L::desc_base() + ((ring >> 4) & 0x3FFF);  // 14-bit start field, as CuTe
+    const int steps = wgmma_steps();
+
+    auto step = [&](auto u_c, const int a) {
+      constexpr int u = decltype(u_c)::value;
+      constexpr int slot = u % XST;
+      __syncthreads();          // group a's stage is complete and visible to the async proxy
+      if (a >= groups) return;  // warpgroup-uniform: only a worker with fewer groups, last step
+      const int s = u % Cfg::STAGES;
+      typename T::Frag frag;
+      T::decode(wbuf[s][0], sbuf[s][0], frag);
+      wbuf[s][0] = ld_stream(wp[0] + (u + Cfg::STAGES) * 32);
+      if constexpr (NVFP4) sbuf[s][0] = __ldg(sp[0] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+      // Every wgmma input is defined before wgmma.fence (ptxas serializes wgmmas whose inputs a
+      // non-wgmma instruction defines inside the pipeline stage, C7513).
+      uint64_t desc[KSTEPS];
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        desc[ks] = desc0 + ((slot * SB + ks * L::KSTEP) >> 4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag.a[ks][r]);
+      }
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) wgmma_rs<Cfg::ROWS>(frag.a[ks], desc[ks], acc[0]);
+      cute::warpgroup_commit_batch();
+      // Retire the group before the next barrier: its stage is refilled right after it, and with
+      // a group left in flight (wait_group 1) ptxas 13.0 serialized the wgmmas of some kernels
+      // anyway (C7511 split-K, C7515 warps_k = 2).
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
+    };
+
+    int g = 0;
+    for (; g + WG_U < steps; g += WG_U) {
+      static_for<WG_U>([&](auto u) { step(u, g + decltype(u)::value); });
+      wp[0] += WG_U * 32;
+      if constexpr (NVFP4) sp[0] += WG_U * T::SCALE_WORDS;
+    }
+    static_for<WG_U>([&](auto u) {
+      if (g + decltype(u)::value < steps) step(u, g + decltype(u)::value);
+    });
+  }
+#endif  // DFLASHGEN_WGMMA
 
   // Split-K combine: partials summed in split order, then the epilogue. One thread per output.
   __device__ static void reduce(const float* __restrict__ partial, int M, const float* __restrict__ col_scale,
