@@ -1,11 +1,13 @@
 """`dflashgen overhead`: host cost of one projection call outside CUDA graphs, and its cost inside one.
 
-Method: a projection whose kernel is tiny (GDN in_proj_ba at TP4: N=24, K=5120, a few microseconds)
-is called 200 times back to back and the host's wall time is taken before waiting for the GPU: with
-the launch queue never full, that is the host overhead per call whatever the kernel's own time. Each layer of the call
-stack is measured the same way (raw driver launch, GemmKernel with validation, KernelLibrary
+Method: a projection whose kernel takes a few microseconds (GDN in_proj_qkvzba at TP4: N=4120,
+K=5120, two launches where its K plan splits K; o_proj at TP4: N=5120, K=1536, one launch) is called
+200 times back to back and the host's wall time is taken before waiting for the GPU: with the launch
+queue never full, that is the host overhead per call whatever the kernel's own time. Each layer of
+the call stack is measured the same way (raw driver launch, GemmKernel with validation, KernelLibrary
 dispatch, QuantLinear's eager path, and the torch custom op that torch.compile sees). Inside a CUDA
 graph the same calls are captured and replayed; per call that must equal the kernel time (CUDA events).
+(Before the GDN input projections were fused, the first projection was in_proj_ba: N=24.)
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _raw_launch(p: dict[str, Any], m: int) -> Callable[[], None]:
 
 
 def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
-    """Per projection (in_proj_ba at TP4: split-K, two launches per call; o_proj at TP4: one launch):
+    """Per projection (in_proj_qkvzba at TP4: two launches per call where split-K; o_proj at TP4: one):
     host us per call at each layer of the stack, the driver's bare launch, and ``*_above_driver_us``:
     QuantLinear's host cost minus the driver launches it must make (what dflashgen's Python adds)."""
     from dflashgen.runtime.library import KernelLibrary
@@ -93,7 +95,8 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
     dev = torch.device("cuda", torch.cuda.current_device())
     lib = KernelLibrary(device=dev, on_mismatch="fallback")
     res: dict[str, float] = {}
-    for label, problem, n, k, segs in (("in_proj_ba", "n24/k5120", 24, 5120, (12, 12)),
+    # in_proj_qkvzba's TP4 rank shard: q, k (4 key heads x 128), v, z (12 value heads x 128), b, a
+    for label, problem, n, k, segs in (("in_proj_qkvzba", "n4120/k5120", 4120, 5120, (4096, 24)),
                                        ("o_proj", "n5120/k1536", 5120, 1536, (5120,))):
         p = _projection(lib, problem, n, k, segs, m)
         kern, packed, mod, x, y = p["kern"], p["packed"], p["mod"], p["x"], p["y"]
@@ -109,7 +112,7 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             "launches_per_call": float(launches),
         }
         r["quant_linear_above_driver_us"] = r["quant_linear_us"] - launches * r["raw_launch_us"]
-        res.update({(k_ if label == "in_proj_ba" else f"{label}_{k_}"): v for k_, v in r.items()})
+        res.update({(k_ if label == "in_proj_qkvzba" else f"{label}_{k_}"): v for k_, v in r.items()})
     if out:
         out.write_text(json.dumps(res, indent=1))
     return res
