@@ -8,7 +8,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dflashgen.model import CONFIG_DIR, LAYER_TYPES, PROJECTION_NAMES, Projection, read_mapping
+from dflashgen.model import (
+    CONFIG_DIR,
+    LAYER_TYPES,
+    LEGACY_PROJECTION_NAMES,
+    PROJECTION_NAMES,
+    Projection,
+    read_mapping,
+)
 
 DEFAULT_DEPLOYMENT = "nvfp4"
 BUILTIN_DEPLOYMENTS = ("nvfp4", "fp8", "mixed")
@@ -41,6 +48,7 @@ class Deployment:
             _check_key(key, self.name)
             if not isinstance(fmt, WeightFormat):
                 raise DeploymentError(f"{self.name}: overrides.{key}: {fmt!r} is not a WeightFormat")
+        object.__setattr__(self, "overrides", _canonical(self.overrides, self.name))
 
     def format_for(self, p: Projection) -> WeightFormat:
         table = dict(self.overrides)
@@ -55,8 +63,22 @@ class Deployment:
         return [(p, f) for p, f in pairs if f is not WeightFormat.FP16]
 
 
+def _canonical(overrides: tuple[tuple[str, WeightFormat], ...], src: str) -> tuple[tuple[str, WeightFormat], ...]:
+    """Legacy projection names (in_proj_qkvz, in_proj_ba) -> the fused projection they are now part
+    of; both named with different formats cannot be served by one fused weight."""
+    out: dict[str, tuple[str, WeightFormat]] = {}
+    for key, fmt in overrides:
+        new = LEGACY_PROJECTION_NAMES.get(key, key)
+        if new in out and out[new][1] is not fmt:
+            raise DeploymentError(
+                f"{src}: overrides: {out[new][0]}={out[new][1].value} and {key}={fmt.value} disagree, but both "
+                f"are the fused projection {new!r} now (one weight, one format)")
+        out.setdefault(new, (key, fmt))
+    return tuple((new, fmt) for new, (_, fmt) in out.items())
+
+
 def _check_key(key: Any, src: str) -> str:
-    if key not in PROJECTION_NAMES and key not in LAYER_TYPES:
+    if key not in PROJECTION_NAMES and key not in LAYER_TYPES and key not in LEGACY_PROJECTION_NAMES:
         raise DeploymentError(
             f"{src}: overrides: unknown key {key!r}; expected a projection {PROJECTION_NAMES} "
             f"or a layer type {LAYER_TYPES}"

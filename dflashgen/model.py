@@ -21,11 +21,15 @@ DEFAULT_MODEL = "qwen3.8-27b"
 SUPPORTED_TP = (1, 2, 4, 8)
 FULL, LINEAR, MLP, LM_HEAD = "full_attention", "linear_attention", "mlp", "lm_head"
 LAYER_TYPES = (FULL, LINEAR, MLP, LM_HEAD)
+# GDN's in_proj_qkvz and in_proj_ba (same input x) run as ONE fused projection, in_proj_qkvzba:
+# one launch (and one split-K reduce) instead of two per GDN layer. The checkpoint keeps the two HF
+# matrices; the names below are accepted as aliases of the fused one where a user names a projection.
+GDN_IN_PROJ = "in_proj_qkvzba"
+LEGACY_PROJECTION_NAMES = {"in_proj_qkvz": GDN_IN_PROJ, "in_proj_ba": GDN_IN_PROJ}
 PROJECTION_NAMES = (
     "qkv_proj",
     "o_proj",
-    "in_proj_qkvz",
-    "in_proj_ba",
+    "in_proj_qkvzba",
     "out_proj",
     "gate_up_proj",
     "down_proj",
@@ -347,13 +351,14 @@ def derive_projections(cfg: ModelConfig, tp: int) -> list[Projection]:
     if n_lin:
         assert cfg.linear_num_key_heads and cfg.linear_num_value_heads  # guaranteed by parsing
         assert cfg.linear_key_head_dim and cfg.linear_value_head_dim
-        # GDN shards whole heads; each of q, k, v, z, b, a is its own column segment.
-        nk = split("in_proj_qkvz", "linear_num_key_heads", cfg.linear_num_key_heads)
-        nv = split("in_proj_qkvz", "linear_num_value_heads", cfg.linear_num_value_heads)
+        # GDN shards whole heads; each of q, k, v, z, b, a is its own column segment. in_proj_qkvz and
+        # in_proj_ba share their input: one fused projection [q | k | v | z | b | a] (per rank: its
+        # shard of each segment), so a GDN layer launches one GEMM for both.
+        nk = split(GDN_IN_PROJ, "linear_num_key_heads", cfg.linear_num_key_heads)
+        nv = split(GDN_IN_PROJ, "linear_num_value_heads", cfg.linear_num_value_heads)
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkvz = [("q", nk * dk), ("k", nk * dk), ("v", nv * dv), ("z", nv * dv)]
-        out.append(column("in_proj_qkvz", LINEAR, n_lin, qkvz))
-        out.append(column("in_proj_ba", LINEAR, n_lin, [("b", nv), ("a", nv)]))
+        segs = [("q", nk * dk), ("k", nk * dk), ("v", nv * dv), ("z", nv * dv), ("b", nv), ("a", nv)]
+        out.append(column(GDN_IN_PROJ, LINEAR, n_lin, segs))
         out.append(row("out_proj", LINEAR, n_lin, nv * dv))
 
     inter = split("gate_up_proj", "intermediate_size", cfg.intermediate_size)

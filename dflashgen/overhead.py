@@ -1,14 +1,16 @@
 """`dflashgen overhead`: host cost of one projection call outside CUDA graphs, and its cost inside one.
 
-Method: a projection whose kernel is tiny (GDN in_proj_ba at TP4: N=24, K=5120, a few microseconds)
-is called 200 times back to back and the host's wall time is taken before waiting for the GPU: with
-the launch queue never full, that is the host overhead per call whatever the kernel's own time. Each
-layer of the call stack is measured the same way (the bare driver launch, GemmKernel with validation,
+Method: a projection whose kernel takes a few microseconds (GDN in_proj_qkvzba at TP4: N=4120,
+K=5120, two launches where its K plan splits K; o_proj at TP4: N=5120, K=1536, one launch) is called
+200 times back to back and the host's wall time is taken before waiting for the GPU: with the launch
+queue never full, that is the host overhead per call whatever the kernel's own time. Each layer of
+the call stack is measured the same way (the bare driver launch, GemmKernel with validation,
 KernelLibrary dispatch, the prepared launch alone, QuantLinear's eager call, and the torch custom op
 that torch.compile sees), and so are torch's own peers on the same shapes: an empty nn.Module call,
 an output allocation, an in-place elementwise op (torch's cheapest kernel launch), and
 ``F.linear`` on an FP16 weight (cuBLAS). Inside a CUDA graph the same calls are captured and
-replayed; per call that must equal the kernel time (CUDA events).
+replayed; per call that must equal the kernel time (CUDA events). (Before the GDN input projections
+were fused, the first projection was in_proj_ba: N=24.)
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class _Empty(torch.nn.Module):
         return x
 
 
-# (key, label) in table order; keys without a prefix are in_proj_ba's, "o_proj_" + key o_proj's
+# (key, label) in table order; keys without a prefix are in_proj_qkvzba's, "o_proj_" + key o_proj's
 TABLE = (
     ("raw_launch_us", "driver: bare cuLaunchKernel (ctypes, arguments in place)"),
     ("raw_launch_argtypes_us", "driver: cuLaunchKernel, ctypes converting 11 ints"),
@@ -109,7 +111,8 @@ TABLE = (
 
 def markdown(res: dict[str, float]) -> str:
     """The figures as a Markdown table: one row per measurement, one column per projection."""
-    rows = ["| host us per call | in_proj_ba (split-K, 2 launches) | o_proj (1 launch) |", "|---|---:|---:|"]
+    rows = ["| host us per call | in_proj_qkvzba TP4 (split-K: 2 launches) | o_proj TP4 (1 launch) |",
+            "|---|---:|---:|"]
     for key, label in TABLE:
         a, b = res.get(key), res.get(f"o_proj_{key}")
         if a is not None or b is not None:
@@ -118,7 +121,7 @@ def markdown(res: dict[str, float]) -> str:
 
 
 def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
-    """Per projection (in_proj_ba at TP4: split-K, two launches per call; o_proj at TP4: one launch):
+    """Per projection (in_proj_qkvzba at TP4: two launches per call where split-K; o_proj at TP4: one):
     host us per call at each layer of the stack, the driver's bare launch, torch's peers, and
     ``*_above_driver_us``: QuantLinear's host cost minus the driver launches it must make (what
     dflashgen's Python adds)."""
@@ -129,7 +132,8 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
     lib = KernelLibrary(device=dev, on_mismatch="fallback")
     res: dict[str, float] = {}
     empty = _Empty()
-    for label, problem, n, k, segs in (("in_proj_ba", "n24/k5120", 24, 5120, (12, 12)),
+    # in_proj_qkvzba's TP4 rank shard: q, k (4 key heads x 128), v, z (12 value heads x 128), b, a
+    for label, problem, n, k, segs in (("in_proj_qkvzba", "n4120/k5120", 4120, 5120, (4096, 24)),
                                        ("o_proj", "n5120/k1536", 5120, 1536, (5120,))):
         p = _projection(lib, problem, n, k, segs, m)
         kern, packed, mod, x, y = p["kern"], p["packed"], p["mod"], p["x"], p["y"]
@@ -156,7 +160,7 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             "quant_linear_on_kernel": float(mod.prepare(m) is not None),  # 0: the table sends M to cuBLAS
         }
         r["quant_linear_above_driver_us"] = r["quant_linear_us"] - launches * r["raw_launch_us"]
-        res.update({(k_ if label == "in_proj_ba" else f"{label}_{k_}"): v for k_, v in r.items()})
+        res.update({(k_ if label == "in_proj_qkvzba" else f"{label}_{k_}"): v for k_, v in r.items()})
     if out:
         out.write_text(json.dumps(res, indent=1))
     return res

@@ -55,19 +55,20 @@ __all__ = [
 # Projection -> checkpoint sub-name of each of its segments (in derive_projections' segment order).
 # Consecutive repeats are ONE checkpoint matrix holding those segments back to back (q|k|v|z, b|a),
 # so it has one global scale; distinct names are separate matrices with one global scale each.
+# in_proj_qkvzba is the in-memory fusion of the checkpoint's in_proj_qkvz and in_proj_ba (each
+# rank reads its rows of each of the six segments; NVFP4 keeps the two matrices' global scales).
 # q_proj holds the attention output gate interleaved per head ([q | gate] x heads) when attn_output_gate.
 CHECKPOINT_NAMES: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o_proj": ("self_attn.o_proj",),
-    "in_proj_qkvz": ("linear_attn.in_proj_qkvz",) * 4,
-    "in_proj_ba": ("linear_attn.in_proj_ba",) * 2,
+    "in_proj_qkvzba": ("linear_attn.in_proj_qkvz",) * 4 + ("linear_attn.in_proj_ba",) * 2,
     "out_proj": ("linear_attn.out_proj",),
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "down_proj": ("mlp.down_proj",),
     "lm_head": ("lm_head",),
 }
 LAYER_PREFIX = "model.layers"
-_LAYER_PROJECTIONS = {FULL: ("qkv_proj", "o_proj"), LINEAR: ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+_LAYER_PROJECTIONS = {FULL: ("qkv_proj", "o_proj"), LINEAR: ("in_proj_qkvzba", "out_proj")}
 _MLP_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 LoadedWeight = NVFP4Weight | FP8ChannelWeight | torch.Tensor  # a plain tensor for fp16 layers

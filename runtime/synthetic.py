@@ -186,7 +186,8 @@ def write_synthetic_checkpoint(
     :func:`synthetic_weight`); tensors are moved to the CPU only to be written.
 
     NVFP4 matrices carry one global scale each (q, k, v, gate, up separately; in_proj_qkvz and
-    in_proj_ba are single fused matrices), FP8 matrices per-channel scales, FP16 ones a plain weight.
+    in_proj_ba are single fused matrices, as in HF checkpoints: the loader fuses the two into the
+    one in-memory projection in_proj_qkvzba), FP8 matrices per-channel scales, FP16 ones a plain weight.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

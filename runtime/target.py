@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from dflashgen.deployment import Deployment
-from dflashgen.model import FULL, ModelConfig
+from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
 from .attention_kernel import DENSE_PAGE, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
@@ -629,10 +629,10 @@ class TargetModel(torch.nn.Module):
         _, _, dk, dv, _ = _gdn_dims(self.cfg)
         _, _, nk, nv = self.heads  # this rank's key / value heads
         p = f"model.layers.{i}.linear_attn"
-        qkvz = self._lin(self._p(i, "in_proj_qkvz"), x)
+        # in_proj_qkvz and in_proj_ba fused: one GEMM launch, rows [q | k | v | z | b | a] (this rank's
+        # heads of each); the pieces are views of its output
         c = 2 * nk * dk + nv * dv
-        mixed, z = qkvz.split([c, nv * dv], dim=-1)
-        bet, a = self._lin(self._p(i, "in_proj_ba"), x).split([nv, nv], dim=-1)
+        mixed, z, bet, a = self._lin(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv, nv, nv], dim=-1)
 
         # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous;
         # an armed short forward writes them straight into its rollback buffer (no copy)
@@ -653,7 +653,7 @@ class TargetModel(torch.nn.Module):
     def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor, b: int, t: int,
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """q, k [B, T, Hk, dk] (L2-normalised, q scaled), v [B, T, Hv, dv] (a strided view), beta and
-        log decay [B, T, Hv] from the conv output [B, C, T] and the in_proj_ba halves."""
+        log decay [B, T, Hv] from the conv output [B, C, T] and the b / a segments of in_proj_qkvzba."""
         _, _, dk, dv, _ = _gdn_dims(self.cfg)
         _, _, nk, nv = self.heads
         mixed = F.silu(conv).transpose(1, 2)

@@ -14,7 +14,7 @@ from dflashgen.build import build, cache_root
 from dflashgen.render import all_entries, load_manifest
 from dflashgen.toolchain import parse_ptxas_log, plan_for
 
-SMALL = "dfg_sm70_nvfp4_store_n24_k5120_.*_r8_"
+SMALL = "dfg_sm70_nvfp4_store_n4120_k5120_.*_r8_"  # the fused GDN TP4 shard: one small kernel
 
 
 def test_sm70_uses_the_pip_cuda12_toolchain() -> None:

@@ -13,7 +13,7 @@ from dflashgen.deployment import Deployment, DeploymentError, WeightFormat, load
 from dflashgen.model import Projection, derive_projections, load_model_config
 
 NV, FP8, FP16 = WeightFormat.NVFP4, WeightFormat.FP8_CHANNEL, WeightFormat.FP16
-ATTN = ("qkv_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj")
+ATTN = ("qkv_proj", "o_proj", "in_proj_qkvzba", "out_proj")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_builtin_mixed(projections: list[Projection]) -> None:
     # The quantized set: everything but lm_head, each with its format.
     q = dep.quantized(projections)
     assert [p.name for p, _ in q] == [p.name for p in projections if p.name != "lm_head"]
-    assert sum(p.count for p, _ in q) == 304  # fused GEMMs per forward, whatever the TP degree
+    assert sum(p.count for p, _ in q) == 256  # fused GEMMs per forward, whatever the TP degree
 
 
 def test_precedence(projections: list[Projection]) -> None:
@@ -64,16 +64,28 @@ def test_precedence(projections: list[Projection]) -> None:
     f = formats(dep, projections)
     assert f["down_proj"] is NV  # projection name beats layer type
     assert f["gate_up_proj"] is FP8  # layer type beats default
-    assert f["in_proj_qkvz"] is NV and f["out_proj"] is NV
+    assert f["in_proj_qkvzba"] is NV and f["out_proj"] is NV
     assert f["qkv_proj"] is FP16 and f["lm_head"] is FP16  # default
     assert dep.name == "custom" and dep.fuse_silu
     assert [p.name for p, _ in dep.quantized(projections)] == [
-        "in_proj_qkvz",
-        "in_proj_ba",
+        "in_proj_qkvzba",
         "out_proj",
         "gate_up_proj",
         "down_proj",
     ]
+
+
+def test_legacy_gdn_projection_names(projections: list[Projection]) -> None:
+    # in_proj_qkvz / in_proj_ba are one fused projection now; their old names still select it
+    for key in ("in_proj_qkvz", "in_proj_ba"):
+        dep = parse_deployment({"default": "nvfp4", "overrides": {key: "fp8_channel"}})
+        assert dep.overrides == (("in_proj_qkvzba", FP8),)
+        assert formats(dep, projections)["in_proj_qkvzba"] is FP8
+    same = parse_deployment({"default": "nvfp4", "overrides": {"in_proj_qkvz": "fp16", "in_proj_ba": "fp16"}})
+    assert same.overrides == (("in_proj_qkvzba", FP16),)
+    assert Deployment("d", NV, (("in_proj_ba", FP8),)).overrides == (("in_proj_qkvzba", FP8),)
+    with pytest.raises(DeploymentError, match="in_proj_qkvz=nvfp4 and in_proj_ba=fp16 disagree.*in_proj_qkvzba"):
+        parse_deployment({"default": "nvfp4", "overrides": {"in_proj_qkvz": "nvfp4", "in_proj_ba": "fp16"}})
 
 
 def test_direct_construction() -> None:

@@ -20,13 +20,14 @@ def test_tuned_table_drives_dispatch(tmp_path: Path) -> None:
     from dflashgen.verify import random_nvfp4
     from dflashgen.weights import reference_gemm, rel_l2
 
-    out = run(SMALL, tmp_path / "t.json", only="nvfp4/store/n24/", ms=(8, 16, 64), progress=False)
+    # the fused GDN in_proj_qkvzba TP4 shard: q|k|v|z (4096 rows, one global scale) + b|a (24 rows)
+    out = run(SMALL, tmp_path / "t.json", only="nvfp4/store/n4120/", ms=(8, 16, 64), progress=False)
     table = TuningTable.load(out)
     key, prob = next(iter(table.problems().items()))
     lib = KernelLibrary(table=table)
     dev = lib.device
-    n, k = 24, 5120
-    w = random_nvfp4(n, k, (12, 12), dev, torch.Generator(device=dev).manual_seed(0))
+    n, k = 4120, 5120
+    w = random_nvfp4(n, k, (4096, 24), dev, torch.Generator(device=dev).manual_seed(0))
     packed = lib.pack(w)
     assert lib.key(packed) == key
     for bucket in prob["buckets"]:

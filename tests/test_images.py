@@ -14,7 +14,7 @@ from dflashgen.runtime.images import KernelImageError, _index, package_binaries,
 from dflashgen.build import build
 from dflashgen.render import load_manifest
 
-SMALL = "dfg_sm70_nvfp4_store_n24_k5120_.*_r8_nt1_"
+SMALL = "dfg_sm70_nvfp4_store_n4120_k5120_.*_r8_nt1_"
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from dflashgen.model import (
 REFERENCE = {
     "qkv_proj": ("full_attention", "column", 14336, 5120, 3584, 5120, 16),
     "o_proj": ("full_attention", "row", 5120, 6144, 5120, 1536, 16),
-    "in_proj_qkvz": ("linear_attention", "column", 16384, 5120, 4096, 5120, 48),
-    "in_proj_ba": ("linear_attention", "column", 96, 5120, 24, 5120, 48),
+    # in_proj_qkvz (16384 / 4096) and in_proj_ba (96 / 24) share their input: one fused projection
+    "in_proj_qkvzba": ("linear_attention", "column", 16480, 5120, 4120, 5120, 48),
     "out_proj": ("linear_attention", "row", 5120, 6144, 5120, 1536, 48),
     "gate_up_proj": ("mlp", "column", 34816, 5120, 8704, 5120, 64),
     "down_proj": ("mlp", "row", 5120, 17408, 5120, 4352, 64),
@@ -33,8 +33,7 @@ REFERENCE = {
 # TP1 segments from the same table.
 REFERENCE_SEGMENTS_TP1 = {
     "qkv_proj": (12288, 1024, 1024),
-    "in_proj_qkvz": (2048, 2048, 6144, 6144),
-    "in_proj_ba": (48, 48),
+    "in_proj_qkvzba": (2048, 2048, 6144, 6144, 48, 48),
     "gate_up_proj": (17408, 17408),
 }
 
@@ -113,15 +112,16 @@ def test_reference_segments(qwen: ModelConfig) -> None:
         assert tuple(s.n for s in tp1[name].segments) == segs
         assert tuple(s.n for s in tp4[name].segments) == tuple(n // 4 for n in segs)
         assert tp1[name].fused
-    assert tp4["in_proj_qkvz"].segments == (
+    assert tp4["in_proj_qkvzba"].segments == (
         Segment("q", 512),
         Segment("k", 512),
         Segment("v", 1536),
         Segment("z", 1536),
+        Segment("b", 12),
+        Segment("a", 12),
     )
     assert [s.name for s in tp1["qkv_proj"].segments] == ["q", "k", "v"]
     assert [s.name for s in tp1["gate_up_proj"].segments] == ["gate", "up"]
-    assert [s.name for s in tp1["in_proj_ba"].segments] == ["b", "a"]
     assert not tp1["o_proj"].fused and not tp1["lm_head"].fused
 
 
@@ -130,8 +130,8 @@ def test_reference_totals(qwen: ModelConfig) -> None:
     for tp, gb in ((1, 13.7), (4, 3.42)):
         ps = [p for p in derive_projections(qwen, tp) if p.name != "lm_head"]
         # The reference's 496 counts unfused checkpoint modules (q, k, v, o / in_proj_qkv, z, b, a, out_proj /
-        # gate, up, down); fused that is 16 x 2 + 48 x 3 + 64 x 2 = 304 GEMMs per forward.
-        assert sum(p.count for p in ps) == 304
+        # gate, up, down); fused that is 16 x 2 + 48 x 2 + 64 x 2 = 256 GEMMs per forward.
+        assert sum(p.count for p in ps) == 256
         assert 16 * 4 + 48 * 5 + 64 * 3 == 496
         assert sum(p.weight_bytes(4.5) * p.count for p in ps) / 1e9 == pytest.approx(gb, abs=0.01)
     odd = Projection("x", "mlp", "row", 3, 5, (Segment("x", 3),), 1, 1)
@@ -154,7 +154,7 @@ def test_tp2_tp8_divide(qwen: ModelConfig, tp: int) -> None:
             if p.fused:
                 assert [s.n for s in p.segments] == [n // tp for n in REFERENCE_SEGMENTS_TP1[name]]
     assert ps["qkv_proj"].n == (7168 if tp == 2 else 2048)
-    assert ps["in_proj_ba"].n == 96 // tp
+    assert ps["in_proj_qkvzba"].n == (16384 + 96) // tp
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
@@ -211,11 +211,10 @@ def test_tiny_hybrid() -> None:
     ps = by_name(derive_projections(cfg, 2))
     assert [s.n for s in ps["qkv_proj"].segments] == [2 * 64 * 2, 64, 64]  # gate packed into q
     assert ps["o_proj"].k == 128
-    assert [s.n for s in ps["in_proj_qkvz"].segments] == [32, 32, 96, 96]
-    assert [s.n for s in ps["in_proj_ba"].segments] == [2, 2]
+    assert [s.n for s in ps["in_proj_qkvzba"].segments] == [32, 32, 96, 96, 2, 2]
     assert ps["out_proj"].k == 96
     assert [s.n for s in ps["gate_up_proj"].segments] == [256, 256]
-    assert ps["qkv_proj"].count == ps["in_proj_ba"].count == 3 and ps["down_proj"].count == 6
+    assert ps["qkv_proj"].count == ps["in_proj_qkvzba"].count == 3 and ps["down_proj"].count == 6
     # Same model by interval; no output gate when disabled.
     by_interval = {**_without(TINY_HYBRID, "layer_types"), "full_attention_interval": 2}
     assert load_model_config(by_interval) == cfg
@@ -295,8 +294,8 @@ def test_bad_tp(qwen: ModelConfig, tp: int) -> None:
     [
         ({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64}, 4, "qkv_proj"),
         ({"num_attention_heads": 24, "num_key_value_heads": 3, "head_dim": 64}, 8, "qkv_proj"),
-        ({"linear_num_key_heads": 1, "linear_num_value_heads": 2}, 2, "in_proj_qkvz"),
-        ({"linear_num_key_heads": 2, "linear_num_value_heads": 6}, 4, "in_proj_qkvz"),
+        ({"linear_num_key_heads": 1, "linear_num_value_heads": 2}, 2, "in_proj_qkvzba"),
+        ({"linear_num_key_heads": 2, "linear_num_value_heads": 6}, 4, "in_proj_qkvzba"),
         ({"intermediate_size": 511}, 2, "gate_up_proj"),
         ({"vocab_size": 1023}, 2, "lm_head"),
     ],

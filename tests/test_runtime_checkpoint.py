@@ -224,10 +224,13 @@ def test_shard_plan_full_size_model() -> None:
     assert qkv.projection.n == 3 * 512 + 256 + 256
     # 4 KV heads over 8 ranks: rank 3 holds a replica of KV head 1 (rows 256..512).
     assert qkv.matrices[1].rows == ((256, 512),) and qkv.matrices[2].rows == ((256, 512),)
-    z = plans["layers.0.in_proj_qkvz"].matrices
-    assert len(z) == 1 and z[0].n == 16384  # q 2048 | k 2048 | v 6144 | z 6144, each sharded
+    z = plans["layers.0.in_proj_qkvzba"].matrices  # the fused projection reads two checkpoint matrices
+    assert [m.prefix for m in z] == [f"model.layers.0.linear_attn.in_proj_{s}" for s in ("qkvz", "ba")]
+    assert z[0].n == 16384  # q 2048 | k 2048 | v 6144 | z 6144, each sharded
     assert z[0].rows == ((768, 1024), (2048 + 768, 2048 + 1024), (4096 + 2304, 4096 + 3072),
                          (10240 + 2304, 10240 + 3072))
+    assert z[1].n == 96 and z[1].rows == ((18, 24), (48 + 18, 48 + 24))  # b 48 | a 48
+    assert plans["layers.0.in_proj_qkvzba"].projection.n == (16384 + 96) // 8
     down = plans["layers.0.down_proj"]
     assert down.cols == (3 * 2176, 4 * 2176) and down.matrices[0].rows == ((0, 5120),)
     assert plans["lm_head"].matrices[0].rows == ((3 * 31040, 4 * 31040),)
@@ -325,11 +328,73 @@ def test_mixed_layouts_in_one_fused_projection(ckpt: Callable[[str, str], Path],
 
 
 def test_deployment_format_mismatch(ckpt: Callable[[str, str], Path]) -> None:
-    with pytest.raises(CheckpointError, match=r"layers\.0\.in_proj_qkvz: deployment 'nvfp4' wants nvfp4, but "
+    with pytest.raises(CheckpointError, match=r"layers\.0\.in_proj_qkvzba: deployment 'nvfp4' wants nvfp4, but "
                                               r"the checkpoint holds ct_fp8_channel"):
         load_model_projections(ckpt("modelopt", "fp8"), CFG, load_deployment("nvfp4"))
     with pytest.raises(CheckpointError, match="wants fp8_channel, but the checkpoint holds modelopt_nvfp4"):
         load_model_projections(ckpt("modelopt", "nvfp4"), CFG, load_deployment("fp8"))
+
+
+# --------------------------------------------------------------------------- fused GDN input projection
+
+GDN_KEY = "layers.0.in_proj_qkvzba"
+GDN_MATS = [f"model.layers.0.linear_attn.in_proj_{s}" for s in ("qkvz", "ba")]
+
+
+@pytest.mark.parametrize("layout,dep", [("modelopt", "nvfp4"), ("compressed-tensors", "nvfp4"),
+                                        ("modelopt", "fp8"), ("compressed-tensors", "fp8")])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_gdn_projection_is_the_two_checkpoint_projections(
+        ckpt: Callable[[str, str], Path], layout: str, dep: str, tp: int) -> None:
+    """in_proj_qkvzba (in memory) == in_proj_qkvz and in_proj_ba (on disk) loaded and run apart, their
+    outputs concatenated; per TP rank: [q_r | k_r | v_r | z_r | b_r | a_r], each segment's rank slice."""
+    d = ckpt(layout, dep)
+    deployment = load_deployment(dep)
+    nq, nv = 4 * 32, 8 * 32  # TP1 segments q, k (4 key heads x 32), v, z (8 value heads x 32), b, a (8)
+    segs1 = [nq, nq, nv, nv, 8, 8]
+    full = _weight(load_model_projections(d, CFG, deployment)[GDN_KEY])
+    assert full.shape == (sum(segs1), 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(tp)).half().float()
+    for r in range(tp):
+        fused = load_model_projections(d, CFG, deployment, tp=tp, rank=r)[GDN_KEY]
+        assert isinstance(fused, QuantLinear) and fused.fmt == deployment.default.value
+        plan = {p.key: p for p in plan_shards(CFG, tp, r)}[GDN_KEY]
+        assert [m.prefix for m in plan.matrices] == GDN_MATS
+        apart = [load_projection(d, [m.prefix], rows=[m.rows], shapes=[(m.n, plan.k)]) for m in plan.matrices]
+        mods = [QuantLinear(w, f"apart{i}") for i, w in enumerate(apart)]  # type: ignore[arg-type]
+        w = _weight(fused)
+        assert torch.equal(w, torch.cat([m.dequantize() for m in mods])), r  # bit-exact: same codes, scales
+        if dep == "nvfp4":  # one global scale per checkpoint matrix, never max()-ed together
+            assert fused.segments == ((2 * nq + 2 * nv) // tp, 16 // tp)
+            gs = torch.cat([a.global_scale for a in apart])  # type: ignore[union-attr]
+            assert gs.numel() == 2 and gs[0] != gs[1]
+            assert torch.equal(fused.col_scale, torch.cat([m.col_scale for m in mods]))
+        # the rank's rows of each TP1 segment, in segment order
+        rows = [o + r * n // tp + i for o, n in zip([sum(segs1[:j]) for j in range(6)], segs1, strict=True)
+                for i in range(n // tp)]
+        assert torch.equal(w, full[rows]), r
+        y = fused(x)
+        assert y.shape == (5, sum(segs1) // tp)
+        assert rel_l2(y, torch.cat([m(x) for m in mods], dim=-1)) < 1e-6, r
+
+
+@pytest.mark.parametrize("layout,dep,what", [("modelopt", "nvfp4", "matrix"), ("modelopt", "nvfp4", "weight_scale"),
+                                             ("compressed-tensors", "nvfp4", "matrix"),
+                                             ("modelopt", "fp8", "matrix")])
+def test_missing_in_proj_ba_names_the_tensor(ckpt: Callable[[str, str], Path], tmp_path: Path, layout: str,
+                                             dep: str, what: str) -> None:
+    ba = GDN_MATS[1]
+
+    def drop(t: dict[str, torch.Tensor]) -> None:
+        for k in [k for k in t if k.startswith(ba + ".") and (what == "matrix" or k == f"{ba}.{what}")]:
+            del t[k]
+
+    d = _copy_with(ckpt(layout, dep), tmp_path / "a", drop)
+    with pytest.raises(MissingTensorError) as e:
+        load_model_projections(d, CFG, load_deployment(dep), tp=2, rank=1)
+    msg = str(e.value)
+    name = f"{ba}.weight_scale" if what == "weight_scale" else f"{ba}.weight"
+    assert msg.startswith(f"{GDN_KEY}: ") and f"missing tensor '{name}'" in msg, msg
 
 
 @pytest.mark.parametrize("how", ["header", "truncated"])

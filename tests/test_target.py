@@ -55,7 +55,8 @@ def _max_state_diff(a: DecodeState, ra: int, b: DecodeState, rb: int) -> float:
 
 
 def test_model_is_built_from_loaded_projections(model: TargetModel, ckpt: Path) -> None:
-    assert isinstance(model.proj[0]["in_proj_qkvz"], QuantLinear)
+    assert isinstance(model.proj[0]["in_proj_qkvzba"], QuantLinear)  # in_proj_qkvz + in_proj_ba, one GEMM
+    assert "in_proj_qkvz" not in model.proj[0] and "in_proj_ba" not in model.proj[0]
     assert isinstance(model.proj[1]["qkv_proj"], QuantLinear)
     assert model.proj[0]["gate_up_proj"].silu  # fused SiLU epilogue (deployment.fuse_silu)
     w = NonLinearWeights.from_checkpoint(ckpt, CFG, seed=5)
@@ -235,6 +236,35 @@ def test_unfused_mlp_and_other_formats(ckpt: Path, model: TargetModel, tmp_path:
     st = m.new_state(1, MAX_LEN)
     steps = torch.cat([m(toks[:, j:j + 1], st) for j in range(toks.shape[1])], dim=1)
     assert float(rel_l2(steps, full)) < 1e-4
+
+
+class _Apart(torch.nn.Module):
+    """in_proj_qkvz and in_proj_ba as two projections, outputs concatenated (the pre-fusion forward)."""
+
+    def __init__(self, *mods: torch.nn.Module) -> None:
+        super().__init__()
+        self.mods = torch.nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.mods], dim=-1)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.float16])
+def test_fused_gdn_projection_matches_the_two_projections(ckpt: Path, act_dtype: torch.dtype) -> None:
+    from dflashgen.runtime.checkpoint import load_projection
+
+    m = TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5, act_dtype=act_dtype)
+    toks = _tokens(10, seed=41, batch=2)
+    fused = m(toks, m.new_state(2, MAX_LEN))
+    for i, lt in enumerate(CFG.layer_types):
+        if lt != FULL:
+            p = f"model.layers.{i}.linear_attn.in_proj_"
+            m.proj[i]["in_proj_qkvzba"] = _Apart(*(QuantLinear(load_projection(ckpt, [p + s]), s)  # type: ignore[arg-type]
+                                                  for s in ("qkvz", "ba")))
+    apart = m(toks, m.new_state(2, MAX_LEN))
+    # the same weights and sums; CPU GEMMs of another N may round (FP32) differently, which FP16
+    # outputs mostly absorb (on this repo's CI machine: the same bits)
+    assert float(rel_l2(fused, apart)) < (1e-3 if act_dtype == torch.float16 else 1e-6)
 
 
 def test_state_caches_hold_whole_kernel_pages(model: TargetModel) -> None:
