@@ -190,6 +190,7 @@ def _write_record(build_dir: Path, arch: int, toolchain: str, kernels: Sequence[
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get("toolchain") == toolchain:
         rec["kernels"] = {**old.get("kernels", {}), **rec["kernels"]}
+    path.parent.mkdir(parents=True, exist_ok=True)  # an arch with no kernel selected has no folder yet
     tmp = path.with_name(f".record.{os.getpid()}")
     tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
     os.replace(tmp, path)
@@ -223,6 +224,8 @@ def build(archs: Iterable[int], only: str | None = None, jobs: int | None = None
     cache); resources per kernel are recorded in <build_dir>/sm_XX/record.json. ``manifest`` may
     name ad hoc kernels (entries carrying their ``source``), e.g. for schedule experiments."""
     manifest = manifest or load_manifest()
+    if only and not select(manifest, archs := sorted(set(archs)), only):
+        raise ValueError(f"--only {only!r} matches no kernel for {', '.join(f'sm_{a}' for a in archs)}")
     build_dir = (build_dir or cache_root() / "build").resolve()  # ninja runs with -C: absolute paths
     build_dir.mkdir(parents=True, exist_ok=True)
     artifacts: dict[str, Artifact] = {}

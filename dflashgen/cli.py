@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -218,7 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     add_decode_parsers(sub)  # dflashgen decode-bench, dflashgen demo
 
     args = ap.parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except Exception as e:
+        # Expected failures (bad input, tables, toolchains, drivers, files) as one clear line;
+        # anything else, or DFLASHGEN_DEBUG=1, keeps the traceback.
+        if os.environ.get("DFLASHGEN_DEBUG") or not _expected(e):
+            raise
+        print(f"dflashgen {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _expected(e: Exception) -> bool:
+    from dflashgen.runtime.driver import DriverError
+    from dflashgen.runtime.images import KernelImageError
+    from dflashgen.toolchain import ToolchainError
+
+    return isinstance(e, (ValueError, OSError, ToolchainError, DriverError, KernelImageError))
 
 
 if __name__ == "__main__":

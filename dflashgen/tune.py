@@ -243,6 +243,8 @@ def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tu
         "kplan": json.loads(plan) if plan else None, "buckets": buckets, "serves": p.serves, "count": p.count,
         "weight_bytes": p.weight_bytes, "verified": sorted(ok), "rejected": sorted({r.name for r in reports} - ok),
         "read_gbs": bw_gbs,
+        # every timed candidate (the race behind the choice: losing K plans, e.g. wgmma, included)
+        "timings_us": {n: {str(m): round(t.us, 3) for m, t in sorted(ts.items())} for n, ts in sorted(timings.items())},
     }
 
 

@@ -122,3 +122,9 @@ def test_wgmma_kernel_compiles_with_the_pip_toolchain(tmp_path: Path) -> None:
     art = res.artifacts[name]
     log = art.log.read_text()
     assert "for 'sm_90a'" in log and "C75" not in log and " 0 bytes spill stores" in log, log
+
+
+def test_only_pattern_matching_nothing_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--only 'no-such-kernel' matches no kernel for sm_70"):
+        build([70], only="no-such-kernel", build_dir=tmp_path)
+    assert not (tmp_path / "sm_70").exists()  # nothing half-written

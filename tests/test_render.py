@@ -137,3 +137,15 @@ def test_wgmma_manifest_entries_carry_the_sm90a_target() -> None:
                               set()).add(k["tile"]["rows"])
     assert all(rows == {8, 16, 32, 64} for rows in by_problem.values())
     assert len({p.rsplit("/", 1)[0] for p in by_problem}) == len(by_problem), "one wgmma plan per problem"
+
+
+def test_cli_reports_expected_errors_in_one_line(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    from dflashgen.cli import main
+
+    monkeypatch.delenv("DFLASHGEN_DEBUG", raising=False)
+    assert main(["build", "--arch", "70", "--only", "no-such-kernel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dflashgen build: error: --only 'no-such-kernel' matches no kernel for sm_70"
+    monkeypatch.setenv("DFLASHGEN_DEBUG", "1")
+    with pytest.raises(ValueError, match="matches no kernel"):
+        main(["build", "--arch", "70", "--only", "no-such-kernel"])
