@@ -426,6 +426,9 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             "accepted_length": s["mean_acceptance_length"],
             "rounds": s["rounds"],
             "mean_batch": s["mean_batch"],
+            # every other request waits while a joining one prefills: this share of the wall clock
+            # is what separates the efficiency from the per-round phases
+            "prefill_s": s["prefill_ms_total"] / 1e3,
             **{f"median_{p}_ms": s[f"median_{p}_ms"] for p in PHASE_NAMES},
             "output_0": outs[0],
         }
@@ -493,9 +496,14 @@ def _fmt(v: float | None, spec: str, unit: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{unit}"
 
 
+def _prefill_cell(r: dict[str, Any]) -> str:
+    pre = r.get("prefill_s")  # absent in reports written before it was recorded
+    return "-" if pre is None else f"{pre:.2f} s ({100 * pre / r['wall_s']:.0f}%)"
+
+
 def format_table(report: dict[str, Any]) -> str:
     cols = ["B", "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT", "p50 TPOT", "accepted length",
-            "completed", "target fwd", "sampling+state", "draft", "host"]
+            "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)"]
     ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
     if ar:
         cols.append("all-reduce/round")
@@ -505,7 +513,7 @@ def format_table(report: dict[str, Any]) -> str:
         cells = [str(r["B"]), f"{r['output_tok_s']:.2f}", _fmt(r["vs_b1"], ".3f", "x"), _fmt(eff, ".1f", "%"),
                  _fmt(r["p50_ttft_ms"], ".2f", " ms"), _fmt(r["p50_tpot_ms"], ".2f", " ms"),
                  f"{r['accepted_length']:.2f}", f"{r['completed']}/{r['requests']}",
-                 *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES)]
+                 *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES), _prefill_cell(r)]
         if ar:
             cells.append(_fmt(r.get("allreduce_ms_per_round"), ".2f", " ms"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -514,7 +522,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{format_table(report)}\n\n"
-            "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host). "
+            "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
+            "prefill: total time spent prefilling joining requests (every request in flight waits) and "
+            "its share of the run's wall clock. "
             "TTFT runs from a request's admission (B requests in flight, prefill included) to its first "
             "token; TPOT = (t_last - t_first) / (n - 1) per request. Ideal efficiency = tok/s(B) / "
             "(B x tok/s(B1)).\n")

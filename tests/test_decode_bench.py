@@ -70,6 +70,9 @@ def test_greedy_replay_bench(tmp_path: Path, tiny_json: Path) -> None:
         assert r["ideal_efficiency"] == pytest.approx(r["output_tok_s"] / (r["B"] * b1))
         assert r["p50_ttft_ms"] > 0 and r["p50_tpot_ms"] > 0 and 1 <= r["accepted_length"] <= 8
         assert r["same_as_b1"] == P  # greedy: batch composition does not change tokens
+        assert 0 < r["prefill_s"] < r["wall_s"]  # every request prefills (prompts of L > 1 tokens)
+    md = (tmp_path / "out" / "decode_bench.md").read_text()
+    assert "prefill (share of wall)" in md and f"{rows[0]['prefill_s']:.2f} s (" in md
     # Greedy speculative decoding is lossless: request 0 equals plain one-token-per-forward decoding.
     target = load_target(ckpt)
     prompt = make_prompts(P, L, target.cfg.vocab_size, 0)[0]
