@@ -292,6 +292,7 @@ def _dense_table(batch: int, blocks: int, device: torch.device) -> torch.Tensor:
 
 
 DENSE_PAGE = 16
+QUERY_ROWS = 8  # query rows per request one verify-attention launch serves (the q7 verify block)
 
 
 @cache
@@ -321,7 +322,7 @@ def dense_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     table = _dense_table(b, blocks, q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32)
     out = torch.empty(b, t, hq, d, dtype=torch.float32, device=q.device)
-    for c0 in range(0, t, 8):
-        c1 = min(c0 + 8, t)
+    for c0 in range(0, t, QUERY_ROWS):
+        c1 = min(c0 + QUERY_ROWS, t)
         out[:, c0:c1] = paged_verify_attention(q[:, c0:c1], kp, vp, table, lens - (t - c1), validate=False)
     return out

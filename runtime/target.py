@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from dflashgen.deployment import Deployment
 from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
-from .attention_kernel import DENSE_PAGE, dense_verify_attention
+from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_step, per_value_head
 from .library import KernelLibrary
@@ -601,7 +601,7 @@ class TargetModel(torch.nn.Module):
         # The generated verify-attention kernel on CUDA (FP16/FP8 cache) for decode / verify forwards;
         # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
         # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
-        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= VERIFY_ROWS else None
+        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
         o = (self._attend(q, kc, vc, pos) if out is None else out).reshape(b, t, nh * d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -734,7 +734,6 @@ class TargetModel(torch.nn.Module):
         return o
 
 
-VERIFY_ROWS = 8  # query rows per request the verify-attention kernels serve in one launch
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only
 # Longer inputs (prefill) run in chunks of this size through a triangular solve. Eager prefill is
 # launch-bound (~45 launches per chunk and layer), so chunks are long; every decay term is
