@@ -97,6 +97,8 @@ TABLE = (
     ("prepared_launch_us", "dflashgen: prepared launch (checks x, allocates y, launches)"),
     ("quant_linear_us", "dflashgen: QuantLinear eager call"),
     ("quant_linear_above_driver_us", "dflashgen: QuantLinear minus its bare launches"),
+    ("quant_linear_out_us", "dflashgen: QuantLinear eager call, out= given (no allocation)"),
+    ("quant_linear_out_above_driver_us", "dflashgen: QuantLinear out= minus its bare launches"),
     ("gemm_kernel_us", "dflashgen: GemmKernel (full validation, out given)"),
     ("library_dispatch_us", "dflashgen: KernelLibrary.gemm (out given)"),
     ("custom_op_us", "dflashgen: torch custom op (what torch.compile sees)"),
@@ -148,6 +150,7 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             "library_dispatch_us": host_us(lambda x=x, packed=packed, y=y: lib.gemm(x, packed, y)),
             "prepared_launch_us": host_us(lambda prepared=prepared, x=x, shape=(m, n): prepared(x, shape)),
             "quant_linear_us": host_us(lambda mod=mod, x=x: mod(x)),  # eager: the module's prepared launch
+            "quant_linear_out_us": host_us(lambda mod=mod, x=x, y=y: mod(x, out=y)),
             "custom_op_us": host_us(lambda mod=mod, x=x: quant_linear(x, mod.weights, mod.scales, mod.col_scale,
                                                                       mod._handle)),
             "torch_module_call_us": host_us(lambda x=x: empty(x)),
@@ -160,6 +163,7 @@ def run(out: Path | None = None, m: int = 8) -> dict[str, float]:
             "quant_linear_on_kernel": float(mod.prepare(m) is not None),  # 0: the table sends M to cuBLAS
         }
         r["quant_linear_above_driver_us"] = r["quant_linear_us"] - launches * r["raw_launch_us"]
+        r["quant_linear_out_above_driver_us"] = r["quant_linear_out_us"] - launches * r["raw_launch_us"]
         res.update({(k_ if label == "in_proj_qkvzba" else f"{label}_{k_}"): v for k_, v in r.items()})
     if out:
         out.write_text(json.dumps(res, indent=1))

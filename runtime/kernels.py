@@ -89,10 +89,14 @@ class GemmKernel:
             self._validate_weight(w)
             self._last_weight = tuple(None if t is None else weakref.ref(t)
                                       for t in (w.weights, w.scales, w.col_scale))
-        if out is not None and (out.dtype != torch.float16 or tuple(out.shape) != (m, self.n_out)
-                                or not out.is_contiguous() or out.device != self.device):
-            _fail(f"{self.name}: out must be a contiguous float16 [{m}, {self.n_out}] tensor "
-                  f"on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.float16 or tuple(out.shape) != (m, self.n_out) \
+                    or not out.is_contiguous() or out.device != self.device:
+                _fail(f"{self.name}: out must be a contiguous float16 [{m}, {self.n_out}] tensor on {self.device}, "
+                      f"got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))} "
+                      f"on {getattr(out, 'device', '?')}")
+            if overlaps(x.data_ptr(), 2 * x.numel(), out.data_ptr(), 2 * out.numel()):
+                _fail(f"{self.name}: out overlaps x (the kernel reads x while it writes out)")
         return m
 
     def _weight_seen(self, w: PackedWeight) -> bool:
@@ -128,7 +132,9 @@ class GemmKernel:
               and 1 <= x.shape[0] <= self.max_m and x.is_contiguous() and x.data_ptr() % 16 == 0)
         return ok and (out is None or (type(out) is torch.Tensor and out.dtype is torch.float16
                                        and out.shape == (x.shape[0], self.n_out) and out.is_contiguous()
-                                       and out.is_cuda and out.get_device() == self._dev_index))
+                                       and out.is_cuda and out.get_device() == self._dev_index
+                                       and not overlaps(x.data_ptr(), 2 * x.numel(), out.data_ptr(),
+                                                        2 * out.numel())))
 
     def _workspace(self, stream: int) -> torch.Tensor:
         """Split-K partials, one buffer per stream sized for max M (launches on one stream are
@@ -237,21 +243,36 @@ class GemmLaunch:
             return kern._workspace(stream)
         return torch.empty((kern.split_k * self.m * kern.n_pad,), dtype=torch.float32, device=kern.device)
 
-    def __call__(self, x: torch.Tensor, out_shape: tuple[int, ...]) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, out_shape: tuple[int, ...], out: torch.Tensor | None = None,
+                 ) -> torch.Tensor | None:
         """y of shape ``out_shape`` (M x N_out elements) = the kernel on x, a torch.Tensor of
-        M x K elements whose shape the caller has checked ([..., K] with M rows in all), or None
-        when x does not fit in some other way (dtype, device, layout, alignment) or another thread
-        holds the launch: then the caller takes the validated path."""
+        M x K elements whose shape the caller has checked ([..., K] with M rows in all), written
+        into ``out`` when given (no allocation), or None when x or out does not fit in some other
+        way (dtype, device, layout, alignment, overlap) or another thread holds the launch: then
+        the caller takes the validated path, which says what is wrong."""
         if (x.dtype is not _F16 or x.get_device() != self._dev or not x.is_contiguous()
-                or (xp := x.data_ptr()) % 16 or not self.lock.acquire(False)):
+                or (xp := x.data_ptr()) % 16):
+            return None
+        if out is None:
+            out = x.new_empty(out_shape)
+            op = out.data_ptr()
+        elif (type(out) is not torch.Tensor or out.dtype is not _F16 or out.shape != out_shape
+              or not out.is_contiguous() or out.get_device() != self._dev
+              or overlaps(xp, 2 * x.numel(), op := out.data_ptr(), 2 * out.numel())):
+            return None
+        if not self.lock.acquire(False):
             return None
         try:
-            out = x.new_empty(out_shape)
-            self.launch(xp, out.data_ptr(), self.get_stream(self._dev))
+            self.launch(xp, op, self.get_stream(self._dev))
             self.calls[0] += 1
         finally:
             self.lock.release()
         return out
+
+
+def overlaps(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) intersect."""
+    return a < b + b_bytes and b < a + a_bytes
 
 
 def native_arch(device: torch.device | None = None) -> int:

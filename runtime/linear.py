@@ -22,7 +22,7 @@ import torch
 from dflashgen.prepack import Layout, PackedWeight, prepack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, WeightError
 
-from .kernels import GemmLaunch
+from .kernels import GemmLaunch, overlaps
 from .library import KernelLibrary, dequantize_packed, fallback_gemm
 
 __all__ = ["DEFAULT_ARCH", "QuantLinear", "quant_linear"]
@@ -201,33 +201,54 @@ class QuantLinear(torch.nn.Module):
         """Exact FP32 weights [N, K] in logical row order (gate rows first for the silu variant)."""
         return dequantize_packed(self.packed())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T for x [..., K]: y [..., N_out] in x's dtype. ``out``: write y there (a
+        contiguous tensor of y's shape and dtype on x's device, not overlapping x) instead of
+        allocating it -- the cheapest eager call, for callers that own their buffers."""
         if type(x) is torch.Tensor and not _is_compiling():
             # Eager fast path, the decode loop's call: a launch prepared for this input shape (the
-            # key; [..., K], M rows in all) checks x's dtype, device and layout, allocates y in
-            # [..., N] directly, writes two pointers and launches. Anything else (and the first call
-            # at each shape) takes the validated path below. torch.compile, export and tensor
-            # subclasses see the custom op.
+            # key; [..., K], M rows in all) checks x's (and out's) dtype, device and layout,
+            # allocates y in [..., N] directly unless out is given, writes two pointers and
+            # launches. Anything else (and the first call at each shape) takes the validated path
+            # below. torch.compile, export and tensor subclasses see the custom op.
             entry = self._operands().launches.get(x.shape)
-            if entry is not None and (y := entry[0](x, entry[1])) is not None:
+            if entry is not None and (y := entry[0](x, entry[1], out)) is not None:
                 return y
-        return self._forward(x)
+        return self._forward(x, out)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         lib, k = self._library, self.layout.k
         if x.shape[-1] != k or not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a float input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)}")
+        if out is not None:
+            self._check_out(x, out)
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # kernels: [M, K]
         if lib is not None and type(x) is torch.Tensor and x.is_cuda and not _is_compiling():
             # the launch the op would make, minus the dispatcher round trip (tens of us)
-            y = lib.gemm(x2, self.packed())
+            y = lib.gemm(x2, self.packed(), None if out is None else out.view(x2.shape[0], self.out_features))
             if (x.dtype is torch.float16 and x.is_contiguous() and x2.shape[0] <= PREPARE_MAX_M
                     and len(self._operands().launches) < PREPARE_MAX_SHAPES):
                 self._prepare(tuple(x.shape))  # validated: the next call at this shape is a fast one
         else:
             y = quant_linear(x2, self.weights, self.scales, self.col_scale, self._handle)
+            if out is not None:
+                return out.copy_(y.view(out.shape))
+        if out is not None:
+            return out
         return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _check_out(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        shape = (*x.shape[:-1], self.out_features)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{self.name}: out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"{self.name}: out must be {x.dtype} {shape} on {x.device} (y's shape, dtype "
+                             f"and device), got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError(f"{self.name}: out must be contiguous (strides {out.stride()})")
+        if overlaps(x.data_ptr(), x.element_size() * x.numel(), out.data_ptr(), out.element_size() * out.numel()):
+            raise ValueError(f"{self.name}: out overlaps x (the projection reads x while it writes out)")
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
         self._ops = None  # .to() / .cuda() / .half() replace the buffers: drop the old ones now

@@ -140,6 +140,16 @@ def test_fast_path_matches_the_validated_path(split_k: bool) -> None:
     assert mod.prepare(2, 4).calls[0] == 1
     mod(torch.randn(128, p.k, device=dev, dtype=torch.float16))  # a prefill's M: nothing kept for it
     assert (128, p.k) not in mod._operands().launches
+    # out=: the prepared launch writes the caller's buffer, same bits; misfits are clear errors
+    calls = launch.calls[0]
+    out = torch.full_like(y1, float("nan"))
+    assert mod(x, out=out) is out and torch.equal(out, y1) and launch.calls[0] == calls + 1
+    with pytest.raises(ValueError, match="overlaps x"):
+        both = torch.empty(8 * (p.k + y1.shape[1]), device=dev, dtype=torch.float16)
+        mod(both[: 8 * p.k].view(8, p.k).copy_(x), out=both[8 * p.k - 8: 8 * p.k - 8 + y1.numel()].view_as(y1))
+    with pytest.raises(ValueError, match="out must be"):
+        mod(x, out=torch.empty(8, y1.shape[1] + 1, device=dev, dtype=torch.float16))
+    assert launch.calls[0] == calls + 1
 
 
 @pytest.mark.parametrize("split_k", [False, True])

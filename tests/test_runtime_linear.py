@@ -405,3 +405,49 @@ def test_overhead_table_keeps_the_cited_keys() -> None:
     md = markdown({**old, "torch_add_us": 3.0})
     assert md.splitlines()[0].startswith("| host us per call |") and "| 5.96 | 5.70 |" in md
     assert "x.add_(0) (an elementwise launch, no allocation) | 3.00 |  |" in md
+
+
+def test_out_argument_fast_path_and_validation(fake_gpu) -> None:
+    """out=: the prepared launch writes into the caller's buffer (no allocation); an out that does
+    not fit is declined by the fast path and rejected by the validated path with a clear error."""
+    make, rec = fake_gpu
+    lib = make()
+    mod = QuantLinear(_weight("nvfp4"), "p", library=lib)
+    mod.prepare(8)
+    mod.prepare(2, 4)
+    x = _x(8)
+    mod(x)
+    assert len(rec.calls) == 1
+    out = torch.empty(8, N, dtype=torch.float16)
+    assert mod(x, out=out) is out
+    assert len(rec.calls) == 2 and rec.calls[1][3][5] == out.data_ptr()  # launched into out
+    x3, out3 = _x(8).view(2, 4, K), torch.empty(2, 4, N, dtype=torch.float16)
+    assert mod(x3, out=out3) is out3 and rec.calls[-1][3][5] == out3.data_ptr()
+    n_calls = len(rec.calls)
+    bad = {
+        "shape": (torch.empty(8, N + 8, dtype=torch.float16), ValueError, "out must be"),
+        "dtype": (torch.empty(8, N, dtype=torch.float32), ValueError, "out must be"),
+        "non-contiguous": (torch.empty(N, 8, dtype=torch.float16).t(), ValueError, "contiguous"),
+        "overlap": (None, ValueError, "overlaps x"),
+        "type": (object(), TypeError, "out must be a torch.Tensor"),
+    }
+    big = torch.zeros(8 * max(N, K) * 2, dtype=torch.float16)
+    for what, (o, exc, msg) in bad.items():
+        xx = x
+        if o is None:  # x and out share storage
+            xx = big[: 8 * K].view(8, K).copy_(x)
+            o = big[8 * K - 16: 8 * K - 16 + 8 * N].view(8, N)
+        with pytest.raises(exc, match=msg):
+            mod(xx, out=o)
+        assert len(rec.calls) == n_calls, f"{what}: launched"
+
+
+def test_out_argument_on_the_fallback_path() -> None:
+    w = _weight("fp8_channel")
+    mod = QuantLinear(w, "p")  # no library: dequantize + matmul on the CPU
+    x = _x(5)
+    out = torch.full((5, N), float("nan"), dtype=torch.float16)
+    assert mod(x, out=out) is out
+    assert torch.equal(out, mod(x))
+    with pytest.raises(ValueError, match=r"out must be torch.float16 \(5, 192\)"):
+        mod(x, out=torch.empty(5, N - 1, dtype=torch.float16))

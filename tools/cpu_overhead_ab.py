@@ -104,6 +104,7 @@ def _compare(ref: str, old: str, entry: dict[str, Any]) -> dict[str, float]:
         f"{ref} KernelLibrary.gemm(x, w, out)": lambda: lo.gemm(x, po, y),
         "new KernelLibrary.gemm(x, w, out)": lambda: ln.gemm(x, pn, y),
         f"{ref} QuantLinear(x [8, K])": lambda: mo(x), "new QuantLinear(x [8, K])": lambda: mn(x),
+        "new QuantLinear(x [8, K], out=y)": lambda: mn(x, out=y),
         f"{ref} QuantLinear(x [2, 4, K])": lambda: mo(x3), "new QuantLinear(x [2, 4, K])": lambda: mn(x3),
         "x.new_empty(y's shape)": lambda: x.new_empty((8, n)),
         "torch: empty nn.Module call": lambda: identity(x),
@@ -117,7 +118,7 @@ def main(ref: str = "HEAD~1") -> None:
     old = _old_runtime(ref)
     _fake_cuda([old, "dflashgen.runtime"])
     man = load_manifest()["kernels"]
-    for label, n, k in (("in_proj_ba", 24, 5120), ("o_proj", 5120, 1536)):
+    for label, n, k in (("in_proj_qkvzba", 4120, 5120), ("o_proj", 5120, 1536)):
         entry = next(e for e in man if e["arch"] == 90 and e["format"] == "nvfp4" and e["epilogue"] == "store"
                      and e["n"] == n and e["k"] == k and e["tile"]["rows"] == 8)
         print(f"## {label} (N={n}, K={k}, split_k={entry['kplan']['split_k']}): us per call")
