@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# A short measuring call (one device command, ~4-6 min): host cost per projection call, where a
+# prefill's time goes, ncu of chosen GEMM kernels, and the two-GPU tests when two GPUs are present.
+#   KERNELS="name_regex@M ..." OUT=... bash tools/gpu_probe.sh     (carry .build; results in $OUT/probe.tgz)
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+R=$(mktemp -d)
+source "$(dirname "$0")/gpu_env.sh"
+trap 'tar czf "$OUT/probe.tgz" -C "$R" .' EXIT
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/gpu.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dflashgen build --arch 90 -j "$(nproc)" -q 2>&1 | tail -3
+echo "== overhead"; dflashgen overhead --out "$R/overhead.json" 2>&1 | tee "$R/overhead.txt" | tail -22
+echo "== prefill profile"
+timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} 2>&1 | tee "$R/profile-prefill.txt" | head -60
+NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
+     --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
+     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
+for km in ${KERNELS:-}; do
+  set -- ${km%@*} ${km#*@}
+  echo "== ncu $1 M=$2"
+  timeout 90 $NCU -k "regex:$1" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$1" "$2" --sass \
+    > "$R/ncu-$1-m$2.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache|Issue Slots|hmma|Registers Per|Achieved Occ" \
+    "$R/ncu-$1-m$2.txt" | head -12
+done
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  echo "== two-GPU tests"
+  timeout 300 python3 -m pytest -q -m gpu tests/test_parallel.py 2>&1 | tee "$R/pytest-tp2.log" | tail -5
+fi
