@@ -5,7 +5,8 @@
 #                                          # the new table is kept in /tmp/dfg
 #   PART=B ...                             # every GPU test (TP2 over NCCL when 2 GPUs) on that table,
 #                                          # overhead, attn-bench
-#   PART=C ...                             # the decode-loop endpoint benchmark on that table
+#   PART=C ...                             # a prefill profile and the decode-loop endpoint
+#                                          # benchmark on that table
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -31,6 +32,8 @@ C)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
   mkdir -p "$R/decode"
+  echo "== prefill profile"; timeout 150 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
+  head -3 "$R/decode/profile-prefill.txt"
   echo "== decode-bench full size"
   timeout 420 dflashgen decode-bench --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40 ;;
 esac
