@@ -193,6 +193,7 @@ class GemmLaunch:
         self.calls = [0]
         self.count_key: tuple[str, int, str] | None = None
         self.m = 0
+        self._x_bytes = self._y_bytes = 0
         self._dev = kern._dev_index
         self._stream = -1  # the stream the workspace pointers were written for
         # x, M, weights, scales, col_scale, out, workspace | workspace, M, col_scale, out
@@ -217,6 +218,7 @@ class GemmLaunch:
             if m > 64:
                 self._stream = -1  # above 64 rows each call gets its own workspace
         self.m = m
+        self._x_bytes, self._y_bytes = 2 * m * kern.k, 2 * m * kern.n_out  # FP16 x [M, K], y [M, N_out]
 
     def launch(self, x_ptr: int, out_ptr: int, stream: int) -> None:
         """Launch on ``stream`` for x and out at these addresses (caller holds ``lock``)."""
@@ -258,7 +260,7 @@ class GemmLaunch:
             op = out.data_ptr()
         elif (type(out) is not torch.Tensor or out.dtype is not _F16 or out.shape != out_shape
               or not out.is_contiguous() or out.get_device() != self._dev
-              or overlaps(xp, 2 * x.numel(), op := out.data_ptr(), 2 * out.numel())):
+              or overlaps(xp, self._x_bytes, op := out.data_ptr(), self._y_bytes)):
             return None
         if not self.lock.acquire(False):
             return None
