@@ -26,7 +26,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     from dflashgen.runtime.table import TuningTable
 
     from .render import load_targets
-    from .timing import read_bandwidth
+    from .timing import read_bandwidth, tensor_tflops
     from .verify import native_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -39,6 +39,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
         table.check_matches(fp)
     images, by_key = native_kernels(arch)
     bw = read_bandwidth(device)
+    tflops = tensor_tflops(device)
     results: dict[str, Any] = {}
     t0 = time.time()
     targets = load_targets(targets_path)
@@ -49,9 +50,9 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
             entries = [e for e in entries if e["name"] in chosen] or entries[:1]
         results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89)
         torch.cuda.empty_cache()
-    report = {"fingerprint": fp, "read_gbs": bw, "ms": list(ms), "seconds": time.time() - t0,
-              "table": str(table.source) if table else None, "problems": results,
-              "forward_totals": forward_totals(results, targets, arch, ms)}
+    report = {"fingerprint": fp, "read_gbs": bw, "tensor_tflops": tflops, "ms": list(ms),
+              "seconds": time.time() - t0, "table": str(table.source) if table else None, "problems": results,
+              "forward_totals": forward_totals(results, targets, arch, ms, tflops)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1, sort_keys=True))
     (out_dir / "bench.md").write_text(markdown(report))
@@ -63,8 +64,12 @@ def _ours(row: dict[str, Any]) -> float | None:
     return row.get("us") or row.get("candidate_us")
 
 
-def forward_totals(results: dict[str, Any], targets: list[Any], arch: int, ms: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Per (TP, deployment, M): sum over the projections of one forward of count x time."""
+def forward_totals(results: dict[str, Any], targets: list[Any], arch: int, ms: tuple[int, ...],
+                   tensor_tflops: float | None = None) -> list[dict[str, Any]]:
+    """Per (TP, deployment, M): sum over the projections of one forward of count x time. With the
+    measured FP16 tensor rate: ``mma_floor_ms`` (2 M N K at that rate) and ``floor_ms``, per
+    projection the larger of its read and MMA floors -- what no kernel that reads the weights once
+    and multiplies in FP16 can beat (at M = 64 the MMA floor passes the read floor)."""
     from .render import problems
 
     out = []
@@ -87,29 +92,45 @@ def forward_totals(results: dict[str, Any], targets: list[Any], arch: int, ms: t
                 bytes_ = results[key]["weight_bytes"]
                 tot["ours_ms"] += proj.count * ours / 1e3
                 tot["dispatched_ms"] += proj.count * dispatched / 1e3
-                tot["roofline_ms"] += proj.count * bytes_ / (results[key]["read_gbs"] * 1e3) / 1e3
+                read_ms = bytes_ / (results[key]["read_gbs"] * 1e3) / 1e3
+                tot["roofline_ms"] += proj.count * read_ms
+                if tensor_tflops:
+                    mma_ms = 2 * m * proj.n * proj.k / (tensor_tflops * 1e9)
+                    tot["mma_floor_ms"] += proj.count * mma_ms
+                    tot["floor_ms"] += proj.count * max(read_ms, mma_ms)
                 for peer, us in row["peers_us"].items():
                     tot[f"{peer}_ms"] += proj.count * us / 1e3
             if tot:
                 tot_r = {k: round(v, 3) for k, v in tot.items()}
                 frac = tot["roofline_ms"] / tot["ours_ms"] if tot["ours_ms"] else 0.0
-                out.append({"tp": t.tp, "deployment": t.deployment.name, "m": m, **tot_r,
-                            "roofline_fraction": round(frac, 3)})
+                row = {"tp": t.tp, "deployment": t.deployment.name, "m": m, **tot_r,
+                       "roofline_fraction": round(frac, 3)}
+                if tot.get("floor_ms") and tot["dispatched_ms"]:
+                    row["floor_fraction"] = round(tot["floor_ms"] / tot["dispatched_ms"], 3)
+                out.append(row)
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
     fp = report["fingerprint"]
+    tf = report.get("tensor_tflops")
+    floors = tf is not None and all("floor_ms" in t for t in report["forward_totals"])
     lines = [f"# dflashgen bench on {fp['gpu']} (sm_{fp['arch']}, {fp['sms']} SMs)", "",
-             f"Measured read bandwidth: {report['read_gbs']:.0f} GB/s. Times are medians of CUDA-graph replays "
-             "with weights rotated through >= 3x L2; fraction = achieved weight-read GB/s over measured read "
-             "bandwidth.", "", "## One 64-layer forward (sum of count x time over the projection mix)", "",
+             f"Measured read bandwidth: {report['read_gbs']:.0f} GB/s"
+             + (f"; measured FP16 tensor rate (cuBLAS, 8192^3): {tf:.0f} TFLOP/s" if tf else "") + ". Times are "
+             "medians of CUDA-graph replays with weights rotated through >= 3x L2; fraction = achieved weight-read "
+             "GB/s over measured read bandwidth."
+             + (" MMA floor = 2 M N K at the measured tensor rate; floor = per projection the larger of the read "
+                "and MMA floors, and floor fraction = floor / dispatched." if floors else ""),
+             "", "## One 64-layer forward (sum of count x time over the projection mix)", "",
              "| TP | deployment | M | dflashgen ms | dispatched ms | cuBLAS FP16 ms | cuBLAS FP8 ms | roofline ms "
-             "| roofline fraction |", "|---|---|---|---|---|---|---|---|---|"]
+             "| roofline fraction |" + (" MMA floor ms | floor fraction |" if floors else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if floors else "")]
     for t in report["forward_totals"]:
         lines.append(f"| {t['tp']} | {t['deployment']} | {t['m']} | {t['ours_ms']:.2f} | {t['dispatched_ms']:.2f} | "
                      f"{t.get('cublas_fp16_ms', float('nan')):.2f} | {t.get('cublas_fp8_ms', float('nan')):.2f} | "
-                     f"{t['roofline_ms']:.2f} | {t['roofline_fraction']:.0%} |")
+                     f"{t['roofline_ms']:.2f} | {t['roofline_fraction']:.0%} |"
+                     + (f" {t['mma_floor_ms']:.2f} | {t['floor_fraction']:.0%} |" if floors else ""))
     lines += ["", "## Per projection", "",
               "| problem | serves | M | ours us | GB/s | fraction | vs FP16 | vs FP8 | dispatched |",
               "|---|---|---|---|---|---|---|---|---|"]

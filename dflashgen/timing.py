@@ -76,3 +76,17 @@ def read_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 
     t = graph_time(step, copies=1, replays=5, repeats=5)
     return nbytes / (t.us * 1e-6) / 1e9
+
+
+def tensor_tflops(device: torch.device, size: int = 8192) -> float:
+    """Measured dense FP16 tensor-core rate in TFLOP/s (FP32 accumulation): cuBLAS on a square GEMM
+    large enough to run at its peak. The MMA floor of a projection at M rows is 2 M N K over this."""
+    a = torch.randn(size, size, dtype=torch.float16, device=device)
+    b = torch.randn(size, size, dtype=torch.float16, device=device)
+    c = torch.empty(size, size, dtype=torch.float16, device=device)
+
+    def step(_: int) -> None:
+        torch.mm(a, b, out=c)
+
+    t = graph_time(step, copies=1, replays=3, repeats=5)
+    return 2 * size**3 / (t.us * 1e-6) / 1e12

@@ -212,3 +212,37 @@ def test_committed_measured_tables_match_the_kernel_library() -> None:
         assert current, f"{path.name} is stale"
         if t.tuned:
             assert all(b["path"] == "fallback" or b["kernel"] for p in t.problems().values() for b in p["buckets"])
+
+
+def test_bench_forward_floors() -> None:
+    """The forward totals' floors: per projection max(read floor, MMA floor at the measured tensor
+    rate), so at M = 64 the MMA floor, not the read roofline, bounds what any FP16-MMA kernel can do."""
+    from dflashgen.bench import forward_totals, markdown
+    from dflashgen.render import load_targets, problems
+
+    targets = [t for t in load_targets(None) if t.tp == 1 and t.deployment.name == "nvfp4"][:1]
+    assert targets
+    t = targets[0]
+    results, bytes_per = {}, {}
+    for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
+        key = f"sm90/{fmt}/store/n{proj.n}/k{proj.k}"
+        bytes_per[key] = proj.n * proj.k // 2  # NVFP4 codes (scales ignored here)
+        results[key] = {"weight_bytes": bytes_per[key], "read_gbs": 4000.0, "serves": ["x/y"], "buckets": [
+            {"m": m, "us": 10.0, "path": "kernel", "baseline_us": 20.0, "peers_us": {"cublas_fp16": 20.0}}
+            for m in (8, 64)]}
+    rows = {r["m"]: r for r in forward_totals(results, [t], 90, (8, 64), tensor_tflops=800.0)}
+    flops = {m: sum(p.count * 2 * m * p.n * p.k for p, _, s in problems(t.model, t.tp, t.deployment) if not s)
+             for m in (8, 64)}
+    for m in (8, 64):
+        assert rows[m]["mma_floor_ms"] == pytest.approx(flops[m] / 800e9, rel=1e-3)
+        assert rows[m]["roofline_ms"] <= rows[m]["floor_ms"] + 1e-9
+        assert rows[m]["floor_ms"] >= rows[m]["mma_floor_ms"] - 1e-9
+    assert rows[8]["floor_ms"] == pytest.approx(rows[8]["roofline_ms"], rel=1e-3)  # M = 8: read-bound
+    assert rows[64]["mma_floor_ms"] > rows[64]["roofline_ms"]  # M = 64 NVFP4: MMA-bound at 800 TFLOP/s
+    assert rows[64]["floor_fraction"] == pytest.approx(rows[64]["floor_ms"] / rows[64]["dispatched_ms"], abs=1e-3)
+    report = {"fingerprint": {"gpu": "G", "arch": 90, "sms": 132}, "read_gbs": 4000.0, "tensor_tflops": 800.0,
+              "forward_totals": list(rows.values()), "problems": results}
+    md = markdown(report)
+    assert "800 TFLOP/s" in md and "| MMA floor ms | floor fraction |" in md
+    assert "MMA floor" not in markdown({**report, "tensor_tflops": None,
+                                        "forward_totals": forward_totals(results, [t], 90, (8, 64))})
