@@ -278,6 +278,13 @@ class BenchConfig:
     synthetic: bool = True  # replay + sampled verification: synthetic accept/reject decisions (benchmark only)
     graphs: bool = True  # CUDA graphs for the target steps and the draft pass (on CUDA); False: eager
     sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
+    join_group: int | None = None  # SpecDecoder's admission group; None: auto (join_group_for)
+
+    def join_group_for(self, b: int) -> int:
+        """The admission group at batch size b: as given (capped at b), else b // 2 (at least 1):
+        waiting requests join in groups of half the batch, so at B8 the eight later prompts come in
+        two joint prefills instead of eight single ones (each stalls every request in flight)."""
+        return min(self.join_group, b) if self.join_group else max(1, b // 2)
 
     @property
     def synthetic_acceptance(self) -> bool:
@@ -298,6 +305,9 @@ class BenchConfig:
             raise ValueError(f"acceptance must be in [0, 1], got {self.acceptance}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        if self.join_group is not None and (isinstance(self.join_group, bool) or not isinstance(self.join_group, int)
+                                            or self.join_group < 1):
+            raise ValueError(f"join_group must be an integer >= 1 (or None: auto), got {self.join_group!r}")
         if self.max_len is not None and self.prompt_len + self.output_len > self.max_len:
             raise ValueError(f"prompt length {self.prompt_len} + {self.output_len} output tokens exceeds "
                              f"max_len={self.max_len}")
@@ -404,7 +414,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     b1_outputs: list[list[int]] | None = None
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
-                          num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler)
+                          num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler,
+                          join_group=cfg.join_group_for(b))
         if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
@@ -419,6 +430,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             "output_tok_s": tokens / dec.stats.wall_s,
             "completed": sum(len(o) == cfg.output_len for o in outs),
             "requests": cfg.prompts,
+            "join_group": dec.join_group,
             "output_tokens": tokens,
             "wall_s": dec.stats.wall_s,
             "p50_ttft_ms": _median(clock.ttft_ms()),
@@ -503,7 +515,7 @@ def _prefill_cell(r: dict[str, Any]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     cols = ["B", "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT", "p50 TPOT", "accepted length",
-            "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)"]
+            "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)", "join group"]
     ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
     if ar:
         cols.append("all-reduce/round")
@@ -513,7 +525,8 @@ def format_table(report: dict[str, Any]) -> str:
         cells = [str(r["B"]), f"{r['output_tok_s']:.2f}", _fmt(r["vs_b1"], ".3f", "x"), _fmt(eff, ".1f", "%"),
                  _fmt(r["p50_ttft_ms"], ".2f", " ms"), _fmt(r["p50_tpot_ms"], ".2f", " ms"),
                  f"{r['accepted_length']:.2f}", f"{r['completed']}/{r['requests']}",
-                 *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES), _prefill_cell(r)]
+                 *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES), _prefill_cell(r),
+                 str(r.get("join_group", 1))]  # reports before the admission group admitted at once
         if ar:
             cells.append(_fmt(r.get("allreduce_ms_per_round"), ".2f", " ms"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -524,7 +537,8 @@ def format_markdown(report: dict[str, Any]) -> str:
     return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{format_table(report)}\n\n"
             "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
             "prefill: total time spent prefilling joining requests (every request in flight waits) and "
-            "its share of the run's wall clock. "
+            "its share of the run's wall clock; join group: waiting requests are admitted once this many "
+            "slots are free (1: at once), in one joint prefill. "
             "TTFT runs from a request's admission (B requests in flight, prefill included) to its first "
             "token; TPOT = (t_last - t_first) / (n - 1) per request. Ideal efficiency = tok/s(B) / "
             "(B x tok/s(B1)).\n")
@@ -623,6 +637,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "are byte-identical across B (slower: a correctness run)")
     p.add_argument("--sampler", choices=("compact", "dense"), default=None,
                    help="rejection sampling: the generated compact kernel (default on CUDA) or the dense torch path")
+    p.add_argument("--join-group", type=int, default=0,
+                   help="admission: waiting requests join once this many slots are free (1: at once; "
+                        "default 0 = auto, half the batch)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
     p.add_argument("--tp", type=int, default=1,
@@ -670,7 +687,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
-                          not args.no_synthetic_acceptance, not args.no_graphs, args.sampler)
+                          not args.no_synthetic_acceptance, not args.no_graphs, args.sampler,
+                          args.join_group or None)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")

@@ -347,14 +347,23 @@ class SpecDecoder:
 
     def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
                  *, state: DecodeState | None = None, graphs: bool | None = None,
-                 sampler: str | None = None) -> None:
+                 sampler: str | None = None, join_group: int = 1) -> None:
         """graphs: run the verify forward and the rollback as CUDA graphs captured per batch size
         1..max_batch (default: on a CUDA target without tensor parallelism); False runs the same
         steps eagerly (bitwise-identical). sampler: "compact" (the generated fused rejection-sampling
-        kernel, default on CUDA), "dense" (the torch reference) or None for the default."""
+        kernel, default on CUDA), "dense" (the torch reference) or None for the default.
+        join_group: admission policy while requests are in flight. Waiting requests join once at
+        least ``min(join_group, waiting)`` slots are free (all free slots are filled then, in one
+        joint prefill); an empty batch always admits. 1 (default) admits each request as soon as a
+        slot frees. Every prefill stalls the requests in flight, and a joint prefill of k prompts
+        costs far less than k single ones, so a larger group trades a few rounds of idle slots for
+        fewer stalls."""
         if max_batch < 1 or max_len < 2 or num_draft < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
                              f"{num_draft}")
+        if isinstance(join_group, bool) or not isinstance(join_group, int) or not 1 <= join_group <= max_batch:
+            raise ValueError(f"join_group must be an integer in 1..max_batch={max_batch}, got {join_group!r}")
+        self.join_group = join_group
         if getattr(drafter, "num_draft", num_draft) != num_draft:
             raise ValueError(f"drafter proposes {drafter.num_draft} tokens, the decoder verifies {num_draft}")
         need = max_len + num_draft  # verify overshoot, rolled back (module docstring)
@@ -455,8 +464,10 @@ class SpecDecoder:
         greedy_pad = SamplingParams(temperature=0.0)
         while queue or any(r is not None for r in slots):
             joins = []
+            free = sum(r is None for r in slots[:self.max_batch])
+            admit = bool(queue) and (free == self.max_batch or free >= min(self.join_group, len(queue)))
             for s in range(self.max_batch):
-                if slots[s] is None and queue:
+                if admit and slots[s] is None and queue:
                     slots[s] = queue.popleft()
                     st.reset(s)
                     joins.append(s)

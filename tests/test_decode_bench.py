@@ -218,3 +218,13 @@ def test_tp_flag_relaunches(tmp_path: Path, tp_tiny: tuple[Path, dict[str, Any]]
     _check_tp2(rep, tp1)
     assert "--tp 2" in rep["command"] and "--prepared-checkpoint" not in rep["command"]
     assert res.stdout.count("| B |") == 1  # one report, from rank 0
+
+
+def test_join_group_policy() -> None:
+    from dflashgen.runtime.decode_bench import BenchConfig
+
+    auto = BenchConfig()
+    assert [auto.join_group_for(b) for b in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    assert [BenchConfig(join_group=3).join_group_for(b) for b in (1, 2, 4, 8)] == [1, 2, 3, 3]
+    with pytest.raises(ValueError, match="join_group must be an integer >= 1"):
+        BenchConfig(join_group=0).validate()

@@ -112,6 +112,36 @@ def test_continuous_batching_bookkeeping(model: TargetModel, oracle: list[list[i
     assert s["drafter"] == "replay (synthetic acceptance p=0.6)"
 
 
+def test_join_group_admits_waiting_requests_together(model: TargetModel, oracle: list[list[int]]) -> None:
+    """join_group=3 at max_batch=4: after the first four, waiting requests are admitted only once
+    min(3, waiting) slots are free, all of them in one joint prefill; the tokens are the same."""
+    prompts = [PROMPTS[1 + i % 3] for i in range(8)]  # prompts of > 1 token: every admission prefills
+    max_new = [1, 14, 9, 4, 14, 5, 6, 9]
+    cont = [oracle[1 + i % 3] for i in range(8)]
+    results = {}
+    for group in (1, 3):
+        events: list[str] = []
+        dec = SpecDecoder(model, ReplayDrafter(cont, 0.6, seed=1), max_batch=4, max_len=MAX_LEN, join_group=group)
+        dec.observer = lambda ev, rid, n, events=events: events.append(ev)
+        results[group] = dec.generate(prompts, GREEDY, max_new)
+        for i, o in enumerate(results[group]):
+            assert o == cont[i][:max_new[i]], (group, i)
+        # admissions between two rounds' "tokens" events form one joint prefill
+        sizes = [len(run) for run in "".join("a" if e == "admit" else "." for e in events).split(".") if run]
+        assert sum(sizes) == 8 and sizes[0] == 4 and len(dec.stats.prefill_ms) == len(sizes)
+        if group == 1:
+            assert len(sizes) > 3  # single joins as slots free
+        else:
+            waiting = 4
+            for n in sizes[1:]:
+                assert n >= min(3, waiting), sizes
+                waiting -= n
+            assert len(sizes) <= 3
+    assert results[1] == results[3]
+    with pytest.raises(ValueError, match=r"join_group must be an integer in 1\.\.max_batch=4"):
+        SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=MAX_LEN, join_group=5)
+
+
 def test_decoder_is_reusable_and_sampling_runs(model: TargetModel) -> None:
     dec = SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11), SamplingParams(temperature=1.0)]
