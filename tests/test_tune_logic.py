@@ -224,7 +224,7 @@ def test_bench_forward_floors() -> None:
     assert targets
     t = targets[0]
     results, bytes_per = {}, {}
-    for proj, fmt, silu in problems(t.model, t.tp, t.deployment):
+    for proj, fmt, _ in problems(t.model, t.tp, t.deployment):
         key = f"sm90/{fmt}/store/n{proj.n}/k{proj.k}"
         bytes_per[key] = proj.n * proj.k // 2  # NVFP4 codes (scales ignored here)
         results[key] = {"weight_bytes": bytes_per[key], "read_gbs": 4000.0, "serves": ["x/y"], "buckets": [
