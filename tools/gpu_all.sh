@@ -32,8 +32,15 @@ C)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
   mkdir -p "$R/decode"
-  echo "== prefill profile"; timeout 150 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
-  head -3 "$R/decode/profile-prefill.txt"
   echo "== decode-bench full size"
-  timeout 420 dflashgen decode-bench --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40 ;;
+  CK=$(mktemp -d)/ckpt
+  timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40
+  echo "== prefill profile"; timeout 90 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
+  head -1 "$R/decode/profile-prefill.txt"
+  # the admission A/B: the same checkpoint at B4 / B8 with every request admitted at once
+  # (efficiency against the run above's B1)
+  mkdir -p "$R/decode-join1"
+  echo "== decode-bench --join-group 1 (B4, B8)"
+  timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 --join-group 1 \
+    --out "$R/decode-join1" 2>&1 | tail -12 ;;
 esac
