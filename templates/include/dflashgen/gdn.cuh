@@ -89,6 +89,21 @@ struct Col {
   }
 };
 
+// Copies `count` elements into shared memory with CHUNK loads per thread in flight before the first
+// store: a plain load -> store loop pays a whole memory round trip per iteration (the store waits
+// for its load and a warp issues in order), T * DK / THREADS round trips per launch.
+template <int THREADS, int CHUNK = 8, class Load, class Store>
+__device__ __forceinline__ void stage(int count, Load&& load, Store&& store) {
+  for (int base = threadIdx.x; base < count; base += CHUNK * THREADS) {
+    float r[CHUNK];
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i) r[i] = base + i * THREADS < count ? load(base + i * THREADS) : 0.f;
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i)
+      if (base + i * THREADS < count) store(base + i * THREADS, r[i]);
+  }
+}
+
 template <int WARPS>
 struct Layout {
   static constexpr int THREADS = 32 * WARPS;
@@ -121,29 +136,36 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
   const long long sbase = ((long long)b * Hv + h) * DK * dv;
   Col<DK> col;
   col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
-  for (int e = threadIdx.x; e < T * DK; e += L::THREADS) {
-    const int t = e / DK, i = e % DK;
-    const long long at = ((bt + t) * Hk + kh) * DK + i;
-    qs[t][i] = q[at];
-    ks[t][i] = k[at];
-  }
-  for (int e = threadIdx.x; e < T * L::COLS; e += L::THREADS) {
-    const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
-    vs[t][e % L::COLS] = j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
-  }
+  const int nqk = T * DK;  // elements [0, nqk): q, [nqk, 2 nqk): k
+  stage<L::THREADS>(
+      2 * nqk,
+      [&](int e) {
+        const int f = e < nqk ? e : e - nqk;
+        const long long at = ((bt + f / DK) * Hk + kh) * DK + f % DK;
+        return e < nqk ? q[at] : k[at];
+      },
+      [&](int e, float x) {
+        const int f = e < nqk ? e : e - nqk;
+        (e < nqk ? qs : ks)[f / DK][f % DK] = x;
+      });
+  stage<L::THREADS>(
+      T * L::COLS,
+      [&](int e) {
+        const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+        return j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+      },
+      [&](int e, float x) { vs[e / L::COLS][e % L::COLS] = x; });
   if (threadIdx.x < T) {
     const long long at = (bt + threadIdx.x) * Hv + h;
     bs[threadIdx.x] = beta[at];
     ds[threadIdx.x] = expf(log_decay[at]);
     if (blockIdx.x == 0) decay[at] = ds[threadIdx.x];
   }
-  if (k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0) {
-    for (int e = threadIdx.x; e < T * DK; e += L::THREADS) {
-      const int t = e / DK, i = e % DK;
-      k_out[((bt + t) * Hk + kh) * DK + i] = k[((bt + t) * Hk + kh) * DK + i];
-    }
-  }
   __syncthreads();
+  if (k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0) {  // from shared memory: no second load
+    for (int e = threadIdx.x; e < nqk; e += L::THREADS)
+      k_out[((bt + e / DK) * Hk + kh) * DK + e % DK] = ks[e / DK][e % DK];
+  }
 
   // positions to commit: S after `keep` steps is stored (0: S0 stays; -1: no commit)
   const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
@@ -188,14 +210,16 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
   k += layer * k_l;
   u += layer * u_l;
   decay += layer * d_l;
-  for (int e = threadIdx.x; e < steps * DK; e += L::THREADS) {
-    const int t = e / DK, i = e % DK;
-    ks[t][i] = k[((bt + t) * Hk + kh) * DK + i];
-  }
-  for (int e = threadIdx.x; e < steps * L::COLS; e += L::THREADS) {  // all loads up front: no latency per step
-    const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
-    us[t][e % L::COLS] = j < dv ? u[((bt + t) * Hv + h) * dv + j] : 0.f;
-  }
+  stage<L::THREADS>(
+      steps * DK, [&](int e) { return k[((bt + e / DK) * Hk + kh) * DK + e % DK]; },
+      [&](int e, float x) { ks[e / DK][e % DK] = x; });
+  stage<L::THREADS>(
+      steps * L::COLS,  // all loads up front: no latency per step
+      [&](int e) {
+        const int j = blockIdx.x * L::COLS + e % L::COLS;
+        return j < dv ? u[((bt + e / L::COLS) * Hv + h) * dv + j] : 0.f;
+      },
+      [&](int e, float x) { us[e / L::COLS][e % L::COLS] = x; });
   if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
   __syncthreads();
   const int jl = lay.j0 - blockIdx.x * L::COLS;
