@@ -44,6 +44,7 @@ __all__ = [
 
 KV_TAG = {torch.float16: "fp16", torch.float8_e5m2: "e5m2", torch.float8_e4m3fn: "e4m3"}
 _LOG2E = 1.4426950408889634
+_GRID_YZ = 65535  # the largest grid y / z dimension
 _ERR_BITS = {1: "a length below the query rows or beyond the block table", 2: "a block table entry out of range"}
 
 
@@ -250,6 +251,9 @@ def paged_verify_attention(
     qh = q.to(torch.float16).contiguous()
     cap = block_tables.shape[1] * page
     max_splits = entry_rule(entry).max_splits(cap)  # lengths are on the device: size for any up to cap
+    if max_splits > _GRID_YZ or nb > _GRID_YZ:
+        _fail(f"{nb} requests x {max_splits} splits (block table capacity {cap} tokens): the launch grid takes "
+              f"at most {_GRID_YZ} of each")
     rows = entry["rows"]
     part_o = torch.empty(nb * hkv * max_splits * rows * d, dtype=torch.float32, device=dev)
     part_ml = torch.empty(nb * hkv * max_splits * rows * 2, dtype=torch.float32, device=dev)
@@ -259,8 +263,11 @@ def paged_verify_attention(
     fn = _launcher(entry, idx)
     err = _err_flag(idx)
     vp = ctypes.c_void_p
+    # Grid (row parts x KV heads, requests, splits): the split index varies slowest, so the CTAs that
+    # work (every request's low splits) are dispatched before those past a request's split count, which
+    # exit (the grid is sized for the table's capacity), and spread over the SMs (bench/NOTES.md, session 5).
     fn.main.launch(
-        (max_splits * int(entry.get("hs", 1)), hkv, nb), (entry["threads"], 1, 1),  # hs row parts per split
+        (int(entry.get("hs", 1)) * hkv, nb, max_splits), (entry["threads"], 1, 1),
         [vp(qh.data_ptr()), ctypes.c_int(nq), vp(k_pool.data_ptr()), vp(v_pool.data_ptr()),
          ctypes.c_longlong(k_pool.stride(0)), ctypes.c_int(num_blocks), vp(block_tables.data_ptr()),
          ctypes.c_int(block_tables.stride(0)), vp(lengths.data_ptr()),

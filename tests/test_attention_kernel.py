@@ -69,8 +69,14 @@ def test_split_rule_renders_into_the_kernel() -> None:
     body = src[src.index("split_for(int len)"):src.index("MIN_SPLIT")]
     assert body.index("len <= 2048) return 64") < body.index("len <= 8192) return 128") < body.index("return SPLIT")
     assert "MIN_SPLIT = 64;" in src
+    # The distinct split sizes (the kernel loads a split's page ids under each before the length arrives).
+    sizes = src[src.index("size_at(int i)"):src.index("};", src.index("size_at(int i)"))]
+    assert "NSIZES = 3;" in src and sizes.index("return 64") < sizes.index("return 128") < sizes.index("return SPLIT")
     plain = af.render(af.AttnSpec(90, 24, 4, 256, 8, "fp16", 16, tile=32, stages=2, split=512, ds=2))
-    assert "if (len" not in plain and "MIN_SPLIT = 512;" in plain
+    assert "if (len" not in plain and "MIN_SPLIT = 512;" in plain and "NSIZES = 1;" in plain
+    same = af.render(af.AttnSpec(90, 24, 4, 256, 8, "fp16", 16, tile=32, stages=2, split=512, ds=2,
+                                 short=((2048, 64), (4096, 64))))
+    assert "NSIZES = 2;" in same  # tiers with one split size: loaded once
     assert spec.meta()["short"] == [[2048, 64], [8192, 128]]
 
 
@@ -508,7 +514,8 @@ def test_launch_arguments(monkeypatch, dtype) -> None:
     (w1, grid, block, a, smem), (w2, mgrid, mblock, m, _) = rec.calls
     splits = ak.entry_rule(e).max_splits(64)  # the rule's most splits up to the table's 64 tokens
     assert splits == max(ak.entry_rule(e).splits(n) for n in range(1, 65))
-    assert (w1, grid, block, smem) == ("main", (splits, 1, 2), (e["threads"], 1, 1), e["smem"])
+    # (row parts x KV heads, requests, splits): the split index varies slowest (working CTAs first)
+    assert (w1, grid, block, smem) == ("main", (1, 2, splits), (e["threads"], 1, 1), e["smem"])
     assert (w2, mgrid, mblock) == ("merge", (48, 1, 2), (64, 1, 1))
     assert a[3] - a[2] == 16 * 256 * kv.element_size() and a[4] == 2 * 16 * 256  # V half, block stride
     unit = 256 if dtype != torch.float16 else 1  # E4M3 decodes to value * 2^-8

@@ -3,7 +3,8 @@ build's compute_70 PTX (JIT-compiled by the driver) against an FP32 reference, o
 ragged contexts from 1 to 32K, separate / interleaved pools, FP16 / E5M2 / E4M3 KV, pages 4 and 16;
 bitwise batch invariance; CUDA-graph replay with new lengths and tables; device-side error flags;
 the target model's dense-cache path; the length-adaptive split rule (lengths on both sides of each
-threshold: accuracy, bitwise invariance, graph replay across a threshold, long requests unchanged)."""
+threshold: accuracy, bitwise invariance, graph replay across a threshold, long requests unchanged); the
+grid order (split index slowest, sized for the table's capacity) vs per-request launches."""
 
 from __future__ import annotations
 
@@ -337,3 +338,41 @@ def test_split_rule_leaves_long_requests_unchanged() -> None:
         last = entry_rule(served).tiers[-1][0]
         case = Case([16384, last + 1 - 8, 32760], hq, hkv, torch.float16, 16, False, seed=24)
         assert torch.equal(case.run(kernel=served["name"]), case.run(kernel=fixed[0]["name"]))
+
+
+# --- the grid order (split index slowest) and the page ids loaded with the length --------------------
+
+@pytest.mark.parametrize("arch", _archs())
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_wide_table_ragged_batch_matches_per_request_launches(arch, hq, hkv) -> None:
+    """The grid is sized for the table's capacity (here 40K tokens, so most CTAs exit) with the split
+    index slowest: a ragged batch with lengths on both sides of every threshold (and at 16K, 32K) ==
+    each request launched alone with a table of just its own pages (a different grid, split count
+    and workspace layout), bitwise, B = 1..8; unused table entries hold garbage ids (the kernel reads
+    the split's page ids for every split size before the length is known: only those used are checked)."""
+    lens = _edges(arch, hq, hkv) + [17, 16392, 32776]
+    case = Case([n - 8 for n in lens] + [40000 - 8], hq, hkv, torch.float16, 16, False, seed=25)
+    nblocks = case.k_pool.shape[0]
+    need = [-(-n // 16) for n in case.lengths_list]
+    wide = case.table.clone()
+    for b, n in enumerate(need):  # past each request's pages: out-of-range ids, never read for K/V
+        wide[b, n:] = torch.arange(wide.shape[1] - n, device="cuda", dtype=torch.int32) % 3 * (nblocks + 5) - 1
+    device_errors()  # clear
+    alone = []
+    for b, n in enumerate(need):
+        tight = case.table[b:b + 1, :n].contiguous()
+        alone.append(paged_verify_attention(case.q[b:b + 1], case.k_pool, case.v_pool, tight, case.lengths[b:b + 1],
+                                            arch=arch, validate=False)[0])
+    assert device_errors() == []
+    r = len(lens)  # the 40K request stays in the table (its capacity) but out of most batches
+    batches = [list(range(r)), list(range(r))[::-1][:8], [r - 1, 0, r - 2, 1], [r - 3], [0, r, 2], [r]]
+    for idx in batches:
+        for start in range(0, len(idx), 8):
+            sel = torch.tensor(idx[start:start + 8], device="cuda")
+            got = paged_verify_attention(case.q[sel], case.k_pool, case.v_pool, wide[sel], case.lengths[sel],
+                                         arch=arch, validate=False)
+            assert device_errors() == [], idx
+            for pos, b in enumerate(idx[start:start + 8]):
+                assert torch.equal(got[pos], alone[b]), f"batch {idx}: request {b} (length {case.lengths_list[b]})"
+    case.check(paged_verify_attention(case.q, case.k_pool, case.v_pool, wide, case.lengths, arch=arch,
+                                      validate=False))

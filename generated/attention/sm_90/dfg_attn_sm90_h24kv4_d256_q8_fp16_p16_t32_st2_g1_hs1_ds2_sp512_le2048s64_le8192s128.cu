@@ -7,7 +7,7 @@
 // heads      24 query / 4 KV (group 6), head_dim 256, 8 verify rows per request
 // kv cache   fp16, page 16 tokens (separate or interleaved pools: runtime strides)
 // schedule   tile=32 tokens, stages=2, token groups=1, row parts=1, D split=2, split=512 tokens, 64 up to length 2048, 128 up to length 8192 (a function of the request's own length: batch-invariant)
-// launch     main: grid (max_splits x 1, 4, B) x 192 threads, 101200 B dynamic smem;
+// launch     main: grid (1 x 4, B, max_splits) x 192 threads, 101200 B dynamic smem (split index slowest);
 //            merge: grid (48, 4, B) x 64 threads
 #include <dflashgen/verify_attention.cuh>
 
@@ -33,6 +33,14 @@ struct Cfg {
     return SPLIT;
   }
   static constexpr int MIN_SPLIT = 64;
+  // The distinct split sizes the rule can pick: the kernel loads a split's page ids under each of them
+  // while the request's length is still in flight.
+  static constexpr int NSIZES = 3;
+  __device__ static constexpr int size_at(int i) {
+    if (i == 0) return 64;
+    if (i == 1) return 128;
+    return SPLIT;
+  }
 };
 using Attn = dflashgen::VerifyAttention<Cfg>;
 static_assert(Attn::THREADS == 192 && Attn::SMEM == 101200, "schedule and header disagree");

@@ -7,7 +7,7 @@
 // heads      24 query / 4 KV (group 6), head_dim 256, 8 verify rows per request
 // kv cache   fp16, page 16 tokens (separate or interleaved pools: runtime strides)
 // schedule   tile=32 tokens, stages=2, token groups=2, row parts=1, D split=2, split=128 tokens (a function of the request's own length: batch-invariant)
-// launch     main: grid (max_splits x 1, 4, B) x 384 threads, 177584 B dynamic smem;
+// launch     main: grid (1 x 4, B, max_splits) x 384 threads, 177584 B dynamic smem (split index slowest);
 //            merge: grid (48, 4, B) x 64 threads
 #include <dflashgen/verify_attention.cuh>
 
@@ -31,6 +31,12 @@ struct Cfg {
     return SPLIT;
   }
   static constexpr int MIN_SPLIT = 128;
+  // The distinct split sizes the rule can pick: the kernel loads a split's page ids under each of them
+  // while the request's length is still in flight.
+  static constexpr int NSIZES = 1;
+  __device__ static constexpr int size_at(int i) {
+    return SPLIT;
+  }
 };
 using Attn = dflashgen::VerifyAttention<Cfg>;
 static_assert(Attn::THREADS == 384 && Attn::SMEM == 177584, "schedule and header disagree");

@@ -7,7 +7,7 @@
 // heads      6 query / 1 KV (group 6), head_dim 256, 8 verify rows per request
 // kv cache   e5m2, page 4 tokens (separate or interleaved pools: runtime strides)
 // schedule   tile=32 tokens, stages=2, token groups=1, row parts=1, D split=1, split=128 tokens, 32 up to length 2048, 64 up to length 8192 (a function of the request's own length: batch-invariant)
-// launch     main: grid (max_splits x 1, 1, B) x 96 threads, 101200 B dynamic smem;
+// launch     main: grid (1 x 1, B, max_splits) x 96 threads, 101200 B dynamic smem (split index slowest);
 //            merge: grid (48, 1, B) x 64 threads
 #include <dflashgen/verify_attention.cuh>
 
@@ -33,6 +33,14 @@ struct Cfg {
     return SPLIT;
   }
   static constexpr int MIN_SPLIT = 32;
+  // The distinct split sizes the rule can pick: the kernel loads a split's page ids under each of them
+  // while the request's length is still in flight.
+  static constexpr int NSIZES = 3;
+  __device__ static constexpr int size_at(int i) {
+    if (i == 0) return 32;
+    if (i == 1) return 64;
+    return SPLIT;
+  }
 };
 using Attn = dflashgen::VerifyAttention<Cfg>;
 static_assert(Attn::THREADS == 96 && Attn::SMEM == 101200, "schedule and header disagree");

@@ -50,6 +50,15 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// *p when ok, else -1: a predicated read-only load in volatile asm, so the compiler keeps it where it
+// is written (issued before a branch on another load's value, not sunk past it).
+__device__ __forceinline__ int ldg_if(const int* p, bool ok) {
+  int v = -1;
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.nc.b32 %0, [%1];\n\t}"
+               : "+r"(v) : "l"(p), "r"(static_cast<int>(ok)));
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // sm_80 / sm_90: mma.sync.m16n8k16, operands from shared memory through ldmatrix.
 // A warp's 16 rows are one MMA M tile; thread (g = lane / 4, t = lane % 4) holds accumulator rows
@@ -348,25 +357,39 @@ struct VerifyAttention {
     }
   }
 
-  // Grid (max_splits x HS, HKV, B), THREADS threads, SMEM bytes of dynamic shared memory: max_splits
+  // Grid (HS x HKV, B, max_splits), THREADS threads, SMEM bytes of dynamic shared memory: max_splits
   // covers the most splits any length up to the table's capacity has under the rule; CTAs past a
-  // request's own split count exit. The HS parts of a split are adjacent in x, so they run together
-  // and share its K/V through L2.
+  // request's own split count exit. The split index is the slowest-varying grid index (z): the block
+  // scheduler dispatches CTAs in linear order, so split 0 of every (request, KV head) comes first, then
+  // split 1, ...: the working CTAs are dispatched before any CTA that exits and spread one per SM
+  // before doubling up (with the split fastest, exiting CTAs sat between the working ones and the
+  // first wave put two working CTAs on some SMs while others got only exiting ones). The HS parts of a
+  // split are adjacent in x, so they run together and share its K/V through L2.
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
                              float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem) {
-    const int split = blockIdx.x / HS, part = blockIdx.x % HS, kh = blockIdx.y, b = blockIdx.z;  // split index
+    const int part = blockIdx.x % HS, kh = blockIdx.x / HS, b = blockIdx.y, split = blockIdx.z;  // split index
+    const int* table = block_tables + static_cast<long long>(b) * table_stride;
+    // This thread's page id of the split under each split size the rule can pick, loaded together with
+    // the length (in bounds of the table row; -1 past it): the one the length picks is in hand when
+    // the length arrives, one dependent round trip less before the first K/V copy. Checked below
+    // exactly as before, and only where used.
+    int cand[Cfg::NSIZES];
+#pragma unroll
+    for (int t = 0; t < Cfg::NSIZES; ++t) {
+      const int sz = Cfg::size_at(t), pg = split * sz / PAGE + static_cast<int>(threadIdx.x);
+      cand[t] = ldg_if(table + pg, static_cast<int>(threadIdx.x) < (sz + PAGE - 1) / PAGE + 1 && pg < table_stride);
+    }
     const int len = lengths[b];
     if (!length_ok(len, nq, table_stride * PAGE)) {
-      if (blockIdx.x == 0 && kh == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
+      if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
       return;
     }
     const int size = Cfg::split_for(len), begin = split * size;
     if (begin >= len) return;
     const int end = min(begin + size, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
-    const int* table = block_tables + static_cast<long long>(b) * table_stride;
 
     __half* sq = reinterpret_cast<__half*>(smem);
     char* sraw = smem + Q_BYTES;
@@ -380,8 +403,12 @@ struct VerifyAttention {
 
     // The split's page ids, checked once (bad ones flag the error and read as zeros).
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
+    int mine = cand[0];  // page pg0 + threadIdx.x under this request's split size
+#pragma unroll
+    for (int t = 1; t < Cfg::NSIZES; ++t)
+      if (size == Cfg::size_at(t)) mine = cand[t];
     for (int i = threadIdx.x; i < npg; i += THREADS) {
-      int blk = __ldg(table + pg0 + i);
+      int blk = i == static_cast<int>(threadIdx.x) ? mine : __ldg(table + pg0 + i);
       if (blk < 0 || blk >= num_blocks) {
         atomicOr(err, ATTN_ERR_PAGE);
         blk = -1;
@@ -564,14 +591,16 @@ struct VerifyAttention {
       // Chunks of MCH splits: all of a chunk's loads issue before the first use. (`#pragma unroll 16` over
       // a runtime count left ns % 16 splits to a rolled remainder loop, one L2 round trip per split:
       // every split of a request with < 16 splits, i.e. all short requests.) Same order, same bits.
-      constexpr int MCH = 16;
+      // The max pass holds one float per split: chunks of MCH_MAX = 64, one L2 round trip for every
+      // request of <= 64 splits (the short tiers: TP4 1K has 33), where chunks of 16 took ceil(ns / 16).
+      constexpr int MCH = 16, MCH_MAX = 64;
       float mx = -DFG_INF;
-      for (int s0 = 0; s0 < ns; s0 += MCH) {
-        float m[MCH];
+      for (int s0 = 0; s0 < ns; s0 += MCH_MAX) {
+        float m[MCH_MAX];
 #pragma unroll
-        for (int j = 0; j < MCH; ++j) m[j] = s0 + j < ns ? ml[(s0 + j) * ROWS_ALL * 2] : -DFG_INF;
+        for (int j = 0; j < MCH_MAX; ++j) m[j] = s0 + j < ns ? ml[(s0 + j) * ROWS_ALL * 2] : -DFG_INF;
 #pragma unroll
-        for (int j = 0; j < MCH; ++j) mx = fmaxf(mx, m[j]);  // max with -inf: a no-op for the tail
+        for (int j = 0; j < MCH_MAX; ++j) mx = fmaxf(mx, m[j]);  // max with -inf: a no-op for the tail
       }
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
