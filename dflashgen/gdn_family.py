@@ -7,6 +7,11 @@ n[b] positions) and ``<name>_advance`` (the state after n[b] positions from thos
 layer in one launch). Rendered from ``templates/gdn.cu.j2``; the logic lives in
 ``templates/include/dflashgen/gdn.cuh``; ``runtime/gdn_kernel.py`` launches them and holds the torch
 reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w2_mb8``.
+
+Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2``
+(``dfg_sm90_gdnpf_dk128_s16_r16_c4_w2_mb8``, manifest ``mode: "prefill"``): the same position body
+over any T in one launch (positions staged 16 at a time), committing the state after n[b] positions
+in place, outputs o only -- a prefill that is not armed for rollback, bitwise T one-token steps.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from . import __version__
 from .model import load_model_config
 from .render import FamilyKernel, _env
 
-__all__ = ["ARCHS", "MAX_T", "ROW_LANES", "WARPS", "family_kernels", "kernel_name", "key_dims"]
+__all__ = ["ARCHS", "MAX_T", "PREFILL_CHUNK", "ROW_LANES", "WARPS", "family_kernels", "kernel_name", "key_dims",
+           "prefill_kernel_name"]
 
 ARCHS = (70, 80, 90)
 MAX_T = 16  # positions per launch: the verify block (8) and the target's small-chunk limit
@@ -29,10 +35,15 @@ THREADS = 32 * WARPS
 # registers) and spills; 8 CTAs per SM allow 128 registers (the dk = 128 step needs ~80).
 MIN_BLOCKS = 8
 COLS = WARPS * 2 * COLS_PER_THREAD
+PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
 
 
 def kernel_name(arch: int, dk: int) -> str:
     return f"dfg_sm{arch}_gdn_dk{dk}_t{MAX_T}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{MIN_BLOCKS}"
+
+
+def prefill_kernel_name(arch: int, dk: int) -> str:
+    return f"dfg_sm{arch}_gdnpf_dk{dk}_s{PREFILL_CHUNK}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{MIN_BLOCKS}"
 
 
 @lru_cache(maxsize=1)
@@ -47,7 +58,17 @@ def render(arch: int, dk: int) -> str:
         threads=THREADS, cols=COLS, min_blocks=MIN_BLOCKS)
 
 
+def render_prefill(arch: int, dk: int) -> str:
+    return _env().get_template("gdn_prefill.cu.j2").render(
+        version=__version__, name=prefill_kernel_name(arch, dk), arch=arch, dk=dk, chunk=PREFILL_CHUNK,
+        warps=WARPS, threads=THREADS, cols=COLS, min_blocks=MIN_BLOCKS)
+
+
 def family_kernels() -> list[FamilyKernel]:
-    return [FamilyKernel(kernel_name(arch, dk), arch, render(arch, dk),
-                         {"dk": dk, "max_t": MAX_T, "threads": THREADS, "cols": COLS})
-            for arch in ARCHS for dk in key_dims()]
+    steps = [FamilyKernel(kernel_name(arch, dk), arch, render(arch, dk),
+                          {"dk": dk, "max_t": MAX_T, "threads": THREADS, "cols": COLS, "mode": "step"})
+             for arch in ARCHS for dk in key_dims()]
+    prefills = [FamilyKernel(prefill_kernel_name(arch, dk), arch, render_prefill(arch, dk),
+                             {"dk": dk, "chunk": PREFILL_CHUNK, "threads": THREADS, "cols": COLS, "mode": "prefill"})
+                for arch in ARCHS for dk in key_dims()]
+    return steps + prefills

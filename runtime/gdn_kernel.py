@@ -10,17 +10,20 @@ Per request b and value head h (reading key head ``h // (Hv / Hk)``), for t = 0.
 
 :func:`gdn_step` returns o, u and d for every position (optionally committing the state after ``n[b]``
 positions); :func:`gdn_advance` applies the first ``n[b]`` positions' updates from those terms (the
-rollback after a verify forward, every layer at once). Both use one update expression and one fixed
-reduction order over the key dim (``gdn.cuh``; :func:`reference_step` mirrors it op for op, without
-FMA), so a T-position step followed by ``advance(n)`` is bitwise ``n`` one-position steps, and a
-request's bits do not depend on the batch, the other requests or T. On CUDA only ``expf`` may differ
-from the reference (within an ulp or two).
+rollback after a verify forward, every layer at once); :func:`gdn_prefill` runs any T in one launch
+(a prefill not armed for rollback: outputs o, the state committed in place after ``n[b]`` positions;
+the family's prefill kernel, the step's position body: bitwise T one-position steps). All use one
+update expression and one fixed reduction order over the key dim (``gdn.cuh``; :func:`reference_step`
+mirrors it op for op, without FMA), so a T-position step followed by ``advance(n)`` is bitwise ``n``
+one-position steps, and a request's bits do not depend on the batch, the other requests or T. On CUDA
+only ``expf`` may differ from the reference (within an ulp or two).
 
 Shapes (FP32): state ``[B, Hv, dk, dv]``; q, k ``[B, T, Hk, dk]`` contiguous; v ``[B, T, Hv, dv]``
 (any batch / position strides, channels at one stride); beta, log_decay ``[B, T, Hv]``; o, u
 ``[B, T, Hv, dv]``; decay ``[B, T, Hv]``. ``gdn_advance`` takes an optional leading layer dim on the
 state and the terms (per-layer blocks contiguous, layer strides free: stacked decode-state buffers
-narrowed to a batch). T <= 16, dv % 4 == 0, dk a generated key dim. No host sync: graph capturable.
+narrowed to a batch). T <= 16 (gdn_prefill: any T), dv % 4 == 0, dk a generated key dim. No host
+sync: graph capturable.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 from .driver import ArgPack, current_stream
 from .images import family_entries, load_module
 
-__all__ = ["GdnInputError", "gdn_advance", "gdn_step", "per_value_head", "reference_advance", "reference_step"]
+__all__ = ["GdnInputError", "gdn_advance", "gdn_prefill", "gdn_step", "per_value_head", "prefill_available",
+           "reference_advance", "reference_step"]
 
 Tensor = torch.Tensor
 MAX_T = 16  # dflashgen.gdn_family.MAX_T
@@ -128,15 +132,15 @@ def _check(name: str, x: Tensor | None, shape: tuple[int, ...], dev: torch.devic
 
 
 def _step_dims(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor,
-               ) -> tuple[int, int, int, int, int, int]:
+               max_t: int | None = MAX_T) -> tuple[int, int, int, int, int, int]:
     if k.dim() != 4:
         _fail(f"k must be [B, T, Hk, dk], got {list(k.shape)}")
     b, t, hk, dk = k.shape
     if s0.dim() != 4:
         _fail(f"the state must be [B, Hv, dk, dv], got {list(s0.shape)}")
     hv, dv = s0.shape[1], s0.shape[3]
-    if not 1 <= t <= MAX_T:
-        _fail(f"T={t} positions: the gdn step serves 1..{MAX_T} (longer inputs take the chunked form)")
+    if t < 1 or (max_t is not None and t > max_t):
+        _fail(f"T={t} positions: the gdn step serves 1..{MAX_T} (longer inputs: gdn_prefill or the chunked form)")
     if hk < 1 or hv % hk:
         _fail(f"{hv} value heads are not a multiple of {hk} key heads")
     if dv % 4:
@@ -171,20 +175,24 @@ def kernel_arch(device: torch.device, arch: int | None = None) -> int:
 
 
 @cache
-def _entries() -> tuple[dict[str, Any], ...]:
-    return tuple(family_entries("gdn").values())
+def _entries(mode: str = "step") -> tuple[dict[str, Any], ...]:
+    return tuple(e for e in family_entries("gdn").values() if e.get("mode", "step") == mode)
+
+
+def _entry(mode: str, dk: int, arch: int) -> dict[str, Any]:
+    found = [e for e in _entries(mode) if e["arch"] == arch and e["dk"] == dk]
+    if not found:
+        have = sorted({e["dk"] for e in _entries(mode) if e["arch"] == arch})
+        _fail(f"no sm_{arch} gdn {mode} kernel for key head dim {dk} (generated: {have}); add it to "
+              "dflashgen/gdn_family.py and run `dflashgen generate`")
+    return found[0]
 
 
 class _Kernels:
     """The step / advance pair for one (key dim, arch, device), with persistent launch arguments."""
 
     def __init__(self, dk: int, arch: int, device_index: int) -> None:
-        found = [e for e in _entries() if e["arch"] == arch and e["dk"] == dk]
-        if not found:
-            have = sorted({e["dk"] for e in _entries() if e["arch"] == arch})
-            _fail(f"no sm_{arch} gdn kernel for key head dim {dk} (generated: {have}); add it to "
-                  "dflashgen/gdn_family.py and run `dflashgen generate`")
-        entry = found[0]
+        entry = _entry("step", dk, arch)
         mod = load_module(entry, device_index)
         self.name = entry["name"]
         self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
@@ -193,7 +201,19 @@ class _Kernels:
         self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
 
 
+class _Prefill:
+    """The prefill kernel for one (key dim, arch, device), with persistent launch arguments."""
+
+    def __init__(self, dk: int, arch: int, device_index: int) -> None:
+        entry = _entry("prefill", dk, arch)
+        self.name = entry["name"]
+        self.fn = load_module(entry, device_index).function(self.name)
+        p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+        self.args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p])
+
+
 _KERNELS: dict[tuple[int, int, int], _Kernels] = {}
+_PREFILL: dict[tuple[int, int, int], _Prefill] = {}
 
 
 def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, int]:
@@ -203,6 +223,29 @@ def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, in
     if key not in _KERNELS:
         _KERNELS[key] = _Kernels(dk, a, idx)
     return _KERNELS[key], idx
+
+
+def _prefill_kernel(dev: torch.device, dk: int, arch: int | None) -> tuple[_Prefill, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    a = kernel_arch(dev, arch)
+    key = (dk, a, idx)
+    if key not in _PREFILL:
+        _PREFILL[key] = _Prefill(dk, a, idx)
+    return _PREFILL[key], idx
+
+
+def prefill_available(device: torch.device | str, dk: int, arch: int | None = None) -> bool:
+    """Whether :func:`gdn_prefill` runs the generated kernel here: a CUDA device with a prefill
+    kernel for key head dim ``dk`` at its serving arch (no compile, no load: manifest only). The
+    target runs long unarmed forwards through it when True, the chunk form otherwise."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    try:
+        _entry("prefill", dk, kernel_arch(dev, arch))
+    except (GdnInputError, RuntimeError):  # no kernel for this dk / arch, or no family in the manifest
+        return False
+    return True
 
 
 def _ptr(t: Tensor | None) -> int:
@@ -287,3 +330,36 @@ def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, ar
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
         kn.advance.launch_pack((-(-dv // COLS), hv, nl * b), (THREADS, 1, 1), a, current_stream(idx))
+
+
+def gdn_prefill(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
+                n: Tensor | None = None, o: Tensor | None = None, arch: int | None = None) -> Tensor:
+    """Any T >= 1 positions of the gated delta rule from state ``s``, committing in place: ``s`` <-
+    the state after ``n[b]`` positions (int64 ``[B]`` on the device, clamped to [0, T]; n[b] = 0
+    leaves it untouched; None: all T). Returns o ``[B, T, Hv, dv]`` (into ``o`` when given). The
+    prefill of a forward not armed for rollback: no u / decay outputs. CUDA: the family's prefill
+    kernel (one launch, q and k 16-byte aligned), bitwise T one-position :func:`gdn_step` commits;
+    otherwise :func:`reference_step` (the same roundings)."""
+    b, t, hk, hv, dk, dv = _step_dims(s, q, k, v, beta, log_decay, max_t=None)
+    dev = s.device
+    _check("o", o, (b, t, hv, dv), dev)
+    _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s)
+    if dev.type != "cuda":
+        ro, _, _ = reference_step(s, q, k, v, beta, log_decay, commit=s, n=None if n is None else n.clamp(0, t))
+        if o is None:
+            return ro
+        o.copy_(ro)
+        return o
+    if q.data_ptr() % 16 or k.data_ptr() % 16:
+        _fail("q and k must start at 16-byte aligned addresses (the prefill kernel stages them as float4)")
+    o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
+    kn, idx = _prefill_kernel(dev, dk, arch)
+    a = kn.args
+    with a.lock:
+        vals = (s.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
+                beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), _ptr(n))
+        for slot, val in zip(a.values, vals, strict=True):
+            slot.value = val
+        kn.fn.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx))
+    return o

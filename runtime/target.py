@@ -15,7 +15,10 @@ GDN recurrence: up to 16 positions (decode, verify, short prefills) run position
 :func:`~.gdn_kernel.gdn_step` (the generated "gdn" kernel on CUDA, its op-for-op torch reference on
 CPU) with the causal conv as an explicit W-tap sum: a position's bits do not depend on T, the batch
 or the accepted length, so a verify round rolled back to n equals n one-token steps bitwise. Longer
-inputs (prefill) run in matrix (chunk) form, which rounds per chunk.
+inputs not armed for rollback (prefill) take the same sequential path on CUDA through the family's
+prefill kernel (:func:`~.gdn_kernel.gdn_prefill`: any T in one launch per layer, the step's
+roundings); on CPU, where no prefill kernel exists for the key dim, or armed (``checkpoint``) for
+more than 16 positions they run in matrix (chunk) form, which rounds per chunk.
 Forward and rollback use static shapes, update the state in place and never sync with the host
 (``check=False``), so :mod:`~.graphs` captures them as CUDA graphs per batch size.
 
@@ -23,8 +26,10 @@ Batch invariance: no op reduces across requests; attention runs batched over eac
 cache (keys past its length masked to probability 0); the GDN recurrence and conv are per request.
 A request's logits can still differ from a single-request run by FP32 rounding (not bitwise): the
 projections run at M = B x T rows (CPU and GPU GEMMs round per shape; on a GPU
-:mod:`~.invariance` removes that for the projections), and a prefill's chunk form and reference
-attention round per (batch, length) shape (a batch-invariant target prefills requests one at a time).
+:mod:`~.invariance` removes that for the projections), and a prefill's reference attention (and, on
+CPU, its GDN chunk form) round per (batch, length) shape (a batch-invariant target prefills requests
+one at a time). On CUDA a prefill's GDN recurrence is the sequential kernel: per request and position
+exactly the rounding of one-token steps.
 
 Tensor parallelism (:meth:`TargetModel.from_checkpoint` with ``tp > 1`` and a :class:`~.parallel.TPContext`):
 each rank holds its projection shards (wrapped by :func:`~.parallel.wrap_projections`: column-parallel
@@ -54,7 +59,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
-from .gdn_kernel import gdn_advance, gdn_step, per_value_head
+from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary
 from .parallel import TPContext, wrap_projections
 
@@ -618,9 +623,11 @@ class TargetModel(torch.nn.Module):
         hkv, length = kc.shape[2], kc.shape[1]
         g = h // hkv
         qb = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        s = (qb @ kc.permute(0, 2, 3, 1).float()) * d**-0.5  # [B, Hkv, G*T, L]
+        # scale and mask in place (the same elementwise kernels and bits; two [B, Hkv, G*T, L] FP32
+        # buffers less, ~100 MB each per 1K-token prefill at Qwen3.8 shapes)
+        s = (qb @ kc.permute(0, 2, 3, 1).float()).mul_(d**-0.5)  # [B, Hkv, G*T, L]
         visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
-        s = s.view(b, hkv, g, t, length).masked_fill(~visible[:, None, None], float("-inf"))
+        s = s.view(b, hkv, g, t, length).masked_fill_(~visible[:, None, None], float("-inf"))
         o = s.softmax(-1).view(b, hkv, g * t, length) @ vc.permute(0, 2, 1, 3).float()  # [B, Hkv, G*T, D]
         return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
@@ -642,7 +649,8 @@ class TargetModel(torch.nn.Module):
             cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
         else:
             cat = torch.cat(parts, dim=1).transpose(1, 2)
-        if t <= _SMALL_CHUNK:  # decode / verify: the sequential kernel (module docstring: exactness)
+        if t <= _SMALL_CHUNK or (not keep and _sequential_prefill(x.device, dk)):
+            # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness)
             o = self._gdn_steps(i, cat, bet, a, state, n_new, keep)
         else:
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
@@ -666,10 +674,12 @@ class TargetModel(torch.nn.Module):
 
     def _gdn_steps(self, i: int, cat: Tensor, bet: Tensor, a: Tensor, state: DecodeState, n_new: Tensor | None,
                    keep: bool) -> Tensor:
-        """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA):
+        """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA), an
+        unarmed T > 16 (prefill) through :func:`~.gdn_kernel.gdn_prefill` (one launch, commit only):
         position by position, so any T, batch and accepted length round exactly like one-token
         decoding. The conv is an explicit W-tap sum in a fixed order (no cuDNN algorithm choice per
-        shape). Armed (``keep``): the state stays, k / u / decays go to the stacked rollback buffers."""
+        shape). Armed (``keep``, T <= 16): the state stays, k / u / decays go to the stacked rollback
+        buffers. Returns o [B, T, Hv, dv]."""
         b, c, span = cat.shape
         width = self.cfg.linear_conv_kernel_dim or 1
         t = span - (width - 1)
@@ -688,7 +698,10 @@ class TargetModel(torch.nn.Module):
                                decay=state.stacked("gdn_decay", (t, nv))[j],
                                k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j])
             return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
-        o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
+        if t <= _SMALL_CHUNK:
+            o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
+        else:
+            o = gdn_prefill(s0, q, k, v, beta, log_decay, n=n_new)  # in place, one launch
         state.conv[i].copy_(cat[..., t:] if n_new is None else _window(cat, n_new, width - 1))
         return o
 
@@ -732,6 +745,16 @@ class TargetModel(torch.nn.Module):
                 state.ssm[i].copy_(final)
                 state.conv[i].copy_(_window(cat, n_new, width - 1))
         return o
+
+
+def _sequential_prefill(device: torch.device, dk: int) -> bool:
+    """Whether an unarmed forward of more than 16 positions runs the GDN recurrence sequentially
+    (the prefill kernel) rather than in chunk form: CUDA with a prefill kernel for ``dk``
+    (:func:`~.gdn_kernel.prefill_available`). ``DFLASHGEN_GDN_PREFILL=chunk`` forces the chunk form
+    (A/B profiles); tests patch this to run the torch reference sequentially on CPU."""
+    if os.environ.get("DFLASHGEN_GDN_PREFILL", "") == "chunk":
+        return False
+    return prefill_available(device, dk)
 
 
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only

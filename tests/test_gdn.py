@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import single_thread, tiny_fp32_target
+from dflashgen.runtime import target as target_mod
 from dflashgen.runtime.decode_bench import TINY
-from dflashgen.runtime.gdn_kernel import GdnInputError, gdn_advance, gdn_step, per_value_head, reference_step
+from dflashgen.runtime.gdn_kernel import (
+    GdnInputError,
+    gdn_advance,
+    gdn_prefill,
+    gdn_step,
+    per_value_head,
+    reference_step,
+)
 from dflashgen.runtime.sampling import SamplingParams
 from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder, plain_greedy
 from dflashgen.runtime.target import TargetModel, _gdn_chunk, _gdn_state_at
@@ -39,8 +47,16 @@ def _one_thread() -> Iterator[None]:
 
 def test_family_renders_every_arch_and_key_dim() -> None:
     assert FAMILY_MODULES["gdn"] == "dflashgen.gdn_family"
-    ks = family_kernels("gdn")
+    every = family_kernels("gdn")
+    ks = [k for k in every if k.meta["mode"] == "step"]
+    pf = [k for k in every if k.meta["mode"] == "prefill"]
+    assert len(ks) + len(pf) == len(every)
     assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
+    assert {(k.arch, k.meta["dk"]) for k in pf} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
+    for k in pf:
+        assert k.name == f"dfg_sm{k.arch}_gdnpf_dk{k.meta['dk']}_s16_r16_c4_w2_mb8"
+        assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
+        assert f"{k.name}(" in k.source and f"prefill<{k.meta['dk']}, 16, 2>" in k.source
     assert 128 in gdn_family.key_dims()  # Qwen3.8-27B
     again = {k.name: k.source for k in family_kernels("gdn")}
     for k in ks:
@@ -53,24 +69,28 @@ def test_family_renders_every_arch_and_key_dim() -> None:
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
     entries = load_manifest()["families"]["gdn"]
-    assert len(entries) == 3 * len(gdn_family.key_dims())
+    assert len(entries) == 2 * 3 * len(gdn_family.key_dims())
     for e in entries:
         assert (generated_dir() / e["file"]).is_file() and e["family"] == "gdn"
-        assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
+        if e["mode"] == "step":
+            assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
+        else:
+            assert (e["mode"], e["threads"], e["cols"], e["chunk"]) == ("prefill", 64, 16, 16)
 
 
 @pytest.mark.parametrize("arch", [70, 80, 90])
 def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
-    res = build([arch], only="_gdn_", progress=False)
-    assert len(res.resources()) == len(gdn_family.key_dims())
+    res = build([arch], only="_gdn(pf)?_", progress=False)
+    assert len(res.resources()) == 2 * len(gdn_family.key_dims())
     for a in res.artifacts.values():
         entries = parse_ptxas_log(a.log.read_text())
-        assert set(entries) == {a.name, a.name + "_advance"}
+        prefill = "_gdnpf_" in a.name
+        assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance"})
         assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
         ptx = a.ptx.read_text()
-        assert f".entry {a.name}(" in ptx and f".entry {a.name}_advance(" in ptx
+        assert f".entry {a.name}(" in ptx and (prefill or f".entry {a.name}_advance(" in ptx)
 
 
 # --------------------------------------------------------------------------- the reference
@@ -150,6 +170,37 @@ def test_request_bits_do_not_depend_on_the_batch() -> None:
     assert torch.equal(o1[0], o[2]) and torch.equal(u1[0], u[2])
 
 
+def test_prefill_is_bitwise_one_position_steps() -> None:
+    """gdn_prefill over T = 40 (the torch reference on CPU: what the kernel mirrors) committing n[b]
+    in place (0, ragged, all T) == n[b] one-position committed steps bitwise, outputs at every position
+    included; and equal to the chunk (matrix) form within FP32 rounding."""
+    b, t, hk, hv, dk, dv = 4, 40, 2, 4, 32, 16
+    s0, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=7)
+    n = torch.tensor([0, 17, 40, 5])
+    s = s0.clone()
+    o = gdn_prefill(s, q, k, v, beta, ld, n=n)
+    assert o.shape == (b, t, hv, dv) and torch.equal(s[0], s0[0])  # n = 0: untouched
+    for r in range(b):
+        st = s0[r:r + 1].clone()
+        for i in range(t):
+            sl = slice(i, i + 1)
+            oi, _, _ = gdn_step(st, q[r:r + 1, sl], k[r:r + 1, sl], v[r:r + 1, sl], beta[r:r + 1, sl],
+                                ld[r:r + 1, sl], commit=st)
+            assert torch.equal(oi[0, 0], o[r, i]), (r, i)
+            if i + 1 == int(n[r]):
+                assert torch.equal(st[0], s[r]), r
+    full = s0.clone()
+    out = torch.empty_like(o)
+    assert gdn_prefill(full, q, k, v, beta, ld, o=out) is out and torch.equal(out, o)  # n = None: all T
+    oc, kk, uc, g = _gdn_chunk(s0, per_value_head(q, hv).transpose(1, 2), per_value_head(k, hv).transpose(1, 2),
+                               v.transpose(1, 2), beta.transpose(1, 2), ld.transpose(1, 2))
+    torch.testing.assert_close(o, oc.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full, _gdn_state_at(s0, kk, uc, g, torch.full((b,), t)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, _gdn_state_at(s0, kk, uc, g, n), rtol=1e-5, atol=1e-5)
+    with pytest.raises(GdnInputError, match="n must be"):
+        gdn_prefill(s, q, k, v, beta, ld, n=n.int())
+
+
 def test_bad_inputs_are_named() -> None:
     s0, q, k, v, beta, ld = _inputs(2, 8, 2, 4, 32, 16, seed=3)
     with pytest.raises(GdnInputError, match="1..16"):
@@ -206,6 +257,53 @@ def test_prefill_of_a_short_prompt_is_one_token_steps(model: TargetModel) -> Non
     for i in range(12):
         model(toks[:, i:i + 1], b)
     torch.testing.assert_close(a.ssm_all, b.ssm_all, rtol=1e-5, atol=1e-5)
+
+
+def test_sequential_prefill_matches_the_chunk_form(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA prefill path forced on CPU (gdn_prefill's torch reference): a ragged 40-token prefill
+    (num_new) takes it for every GDN layer and leaves states / logits within FP32 rounding of the
+    chunk form; an armed (checkpoint) long forward still takes the chunk form."""
+    g = torch.Generator().manual_seed(8)
+    toks = torch.randint(0, CFG.vocab_size, (3, 40), generator=g)
+    n = torch.tensor([40, 23, 17])
+    chunk = model.new_state(3, 48)
+    ref = model(toks, chunk, num_new=n)
+    calls: list[int] = []
+    real = target_mod.gdn_prefill
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[1].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target_mod, "gdn_prefill", spy)
+    monkeypatch.setattr(target_mod, "_sequential_prefill", lambda device, dk: True)
+    seq = model.new_state(3, 48)
+    got = model(toks, seq, num_new=n)
+    assert calls == [40] * len(seq.gdn_index)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seq.ssm_all, chunk.ssm_all, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seq.conv_all, chunk.conv_all, rtol=1e-4, atol=1e-4)  # later layers' inputs round
+    assert torch.equal(seq.conv_all[0], chunk.conv_all[0]) and torch.equal(seq.lengths, chunk.lengths)
+    calls.clear()
+    armed = model.new_state(3, 48)
+    armed.checkpoint(40)
+    model(toks, armed)
+    armed.rollback(armed.lengths - 40 + n)
+    assert calls == []  # keep=True, T > 16: chunk terms for the rollback
+    torch.testing.assert_close(armed.ssm_all, chunk.ssm_all, rtol=1e-4, atol=1e-4)
+
+
+def test_sequential_prefill_keeps_greedy_identity(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the sequential prefill forced (CPU reference), speculative greedy decoding still equals plain
+    greedy decoding for prompts that prefill more than 16 tokens, batched and per request."""
+    monkeypatch.setattr(target_mod, "_sequential_prefill", lambda device, dk: True)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in (30, 18, 3, 25)]
+    oracle = [plain_greedy(model, p, 8) for p in prompts]
+    for invariant in (False, True):
+        monkeypatch.setattr(model, "batch_invariant", invariant)
+        out = SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=48).generate(prompts, SamplingParams(0.0), 8)
+        assert out == oracle, invariant
 
 
 def test_plain_greedy_prefills_all_but_the_last_token(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -205,7 +205,7 @@ def test_greedy_identical_across_batches_and_plain(target) -> None:
     from dflashgen.runtime.spec_decode import NgramDrafter, SpecDecoder, plain_greedy
 
     assert target.batch_invariant  # joining requests prefill alone, as plain_greedy does
-    # prompts of 20..41 tokens (prefill in chunk form) and 1..6 (no prefill, or through the gdn step)
+    # prompts of 20..41 tokens (prefill through the gdn prefill kernel) and 1..6 (no prefill, or the gdn step)
     prompts = _prompts(8, 20, target.cfg.vocab_size) + [p[:1 + i] for i, p in enumerate(_prompts(8, 20, 97)[:6])]
     n = 24
     plain = [plain_greedy(target, p, n) for p in prompts]
@@ -215,6 +215,51 @@ def test_greedy_identical_across_batches_and_plain(target) -> None:
         same = sum(g == p for g, p in zip(got, plain, strict=True))
         assert same == len(prompts), f"B{b}: {same}/{len(prompts)} byte-identical to plain greedy decoding"
     assert gdn_kernel._KERNELS  # the GDN layers ran the generated kernel, not the torch reference
+
+
+def test_prefill_is_bitwise_one_token_steps(target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged 40-token prefill (num_new) runs the GDN layers on the prefill kernel and leaves, per
+    request, exactly the GDN state (recurrent and conv) of its n[b] one-token forwards in every GDN
+    layer before the first attention layer (batch-invariant projections: nothing else differs there);
+    the chunk form (DFLASHGEN_GDN_PREFILL=chunk) stays within FP32 / FP16 rounding of it."""
+    from dflashgen.runtime import target as target_mod
+
+    from dflashgen.model import FULL
+
+    calls: list[int] = []
+    real = target_mod.gdn_prefill
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[1].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target_mod, "gdn_prefill", spy)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    b, t = 3, 40
+    toks = torch.randint(0, target.cfg.vocab_size, (b, t), generator=g).to(dev)
+    n = torch.tensor([40, 23, 17], device=dev)
+    pre = target.new_state(b, 64)
+    target(toks, pre, num_new=n, logits=False)
+    assert calls == [t] * len(pre.gdn_index)  # every GDN layer on the prefill kernel, not the chunk form
+    first_full = target.cfg.layer_types.index(FULL) if FULL in target.cfg.layer_types else len(target.cfg.layer_types)
+    early = [j for i, j in pre.gdn_index.items() if i < first_full]
+    assert early
+    for r in range(b):
+        steps = target.new_state(1, 64)
+        for i in range(int(n[r])):
+            target(toks[r:r + 1, i:i + 1], steps, logits=False)
+        for j in early:
+            assert torch.equal(steps.ssm_all[j, 0], pre.ssm_all[j, r]), f"GDN state of request {r}, layer {j}"
+            assert torch.equal(steps.conv_all[j, 0], pre.conv_all[j, r]), f"conv state of request {r}, layer {j}"
+    monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", "chunk")
+    chunk = target.new_state(b, 64)
+    calls.clear()
+    target(toks, chunk, num_new=n, logits=False)
+    assert calls == []
+    err = float((chunk.ssm_all - pre.ssm_all).norm() / pre.ssm_all.norm())
+    assert err <= 1e-2, err
+    print(f"prefill GDN state, chunk form vs the kernel: rel {err:.2e}")
 
 
 def test_verify_rollback_is_bitwise_one_token_steps(target) -> None:

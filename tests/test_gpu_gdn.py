@@ -1,7 +1,8 @@
 """GPU: the generated gated delta rule kernels (family "gdn") on an H200 -- against the torch
 reference (rel. error <= 1e-5, FP32), bitwise: a T = 8 step + advance(n) == n one-position steps,
-a request's bits the same alone and in a batch of 8, CUDA-graph replay == eager; the sm_90 cubin
-and the compute_70 PTX (JIT-compiled by the driver). Skips cleanly without a GPU."""
+a request's bits the same alone and in a batch of 8, CUDA-graph replay == eager, the prefill kernel
+(any T) == T one-position steps; the sm_90 cubin and the compute_70 PTX (JIT-compiled by the
+driver). Skips cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -104,6 +105,64 @@ def test_request_bits_alone_equal_in_a_batch_of_8(arch: str | int) -> None:
         assert torch.equal(alone[0], batch[r])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(45, 16, 48, 128, 128), (100, 2, 6, 32, 40),
+                                                         (17, 4, 12, 64, 128)])
+def test_prefill_is_bitwise_one_token_steps(arch: str | int, t: int, hk: int, hv: int, dk: int, dv: int) -> None:
+    """The prefill kernel (any T, one launch, commit in place) == T one-position gdn_step launches
+    bitwise: outputs at every position and the state after all T; with ragged n (0, 17, T - 3, T) the
+    state after n[b] (n = 0: untouched), the same outputs; within 1e-5 of the torch reference."""
+    from dflashgen.runtime.gdn_kernel import gdn_prefill, gdn_step, reference_step
+
+    b, a = 4, _arch(arch)
+    s0, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=t + dk)
+    full = s0.clone()
+    o = gdn_prefill(full, q, k, v, beta, ld, arch=a)
+    n = torch.tensor([t, 0, min(17, t), t - 3], device="cuda")
+    ragged = s0.clone()
+    o_r = gdn_prefill(ragged, q, k, v, beta, ld, n=n, arch=a)
+    steps, upto = s0.clone(), s0.clone()
+    for i in range(t):
+        sl = slice(i, i + 1)
+        args = (q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl], beta[:, sl].contiguous(),
+                ld[:, sl].contiguous())
+        oi, _, _ = gdn_step(steps, *args, commit=steps, arch=a)
+        assert torch.equal(oi[:, 0], o[:, i]), i
+        gdn_step(upto, *args, commit=upto, n=(n > i).long(), arch=a)  # n = 0 once request b is done
+    torch.cuda.synchronize()
+    assert torch.equal(full, steps) and torch.equal(o_r, o)
+    assert torch.equal(ragged, upto) and torch.equal(ragged[1], s0[1])
+    ref = s0.clone()
+    ro, _, _ = reference_step(ref, q, k, v, beta, ld, commit=ref, n=n)
+    assert _rel(o_r, ro) <= 1e-5 and _rel(ragged, ref) <= 1e-5, (_rel(o_r, ro), _rel(ragged, ref))
+    # a request's bits alone == in the batch
+    alone = s0[2:3].clone()
+    o1 = gdn_prefill(alone, q[2:3], k[2:3], v[2:3], beta[2:3], ld[2:3], n=n[2:3], arch=a)
+    assert torch.equal(o1[0], o[2]) and torch.equal(alone[0], ragged[2])
+
+
+def test_prefill_of_1023_tokens_timing() -> None:
+    """Not a gate: CUDA-event median of one prefill launch over 1023 positions at Qwen3.8 shapes (B = 1,
+    16 key / 48 value heads, dk = dv = 128), per position (printed; the pytest log keeps it)."""
+    from dflashgen.runtime.gdn_kernel import gdn_prefill
+
+    t = 1023
+    s0, q, k, v, beta, ld = _inputs(1, t, 16, 48, 128, 128, seed=5)
+    s = s0.clone()
+    gdn_prefill(s, q, k, v, beta, ld)
+    ms = []
+    for _ in range(5):
+        s.copy_(s0)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        gdn_prefill(s, q, k, v, beta, ld)
+        e1.record()
+        torch.cuda.synchronize()
+        ms.append(e0.elapsed_time(e1))
+    med = sorted(ms)[len(ms) // 2]
+    print(f"gdn prefill T={t} B=1: {med:.3f} ms per layer, {med * 1e3 / t:.2f} us per position")
+
+
 def test_graph_replay_equals_eager() -> None:
     """Step (rollback terms into static buffers) + advance of two stacked layers captured once,
     replayed with new inputs and accepted lengths."""
@@ -160,3 +219,10 @@ def test_bad_inputs_on_cuda() -> None:
         gdn_step(s, qq, kk, vv, bb, ll)
     with pytest.raises(GdnInputError, match="cannot run"):
         gdn_step(s0, q, k, v, beta, ld, arch=100)
+    from dflashgen.runtime.gdn_kernel import gdn_prefill, prefill_available
+
+    assert prefill_available("cuda", 128) and not prefill_available("cuda", 48) and not prefill_available("cpu", 128)
+    odd = torch.empty(q.numel() + 1, device="cuda")[1:].view(q.shape)  # 4 bytes past an aligned start
+    odd.copy_(q)
+    with pytest.raises(GdnInputError, match="16-byte aligned"):
+        gdn_prefill(s0.clone(), odd, k, v, beta, ld)

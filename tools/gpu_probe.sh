@@ -13,6 +13,9 @@ dflashgen build --arch 90 -j "$(nproc)" -q 2>&1 | tail -3
 echo "== overhead"; dflashgen overhead --out "$R/overhead.json" 2>&1 | tee "$R/overhead.txt" | tail -22
 echo "== prefill profile"
 timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} 2>&1 | tee "$R/profile-prefill.txt" | head -60
+echo "== prefill profile, GDN in the old chunk form (before / after)"
+timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} --gdn chunk 2>&1 \
+  | tee "$R/profile-prefill-chunk.txt" | head -30
 NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
      --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
      --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"

@@ -1,10 +1,13 @@
 """Where a prefill's time goes (torch.profiler, CUDA + CPU): a few layers of the Qwen3.8-27B-shaped
 synthetic target, one 1023-token prompt (eager prefill is host-bound when CPU time >> CUDA time).
-    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023]"""
+``--gdn chunk`` profiles the GDN layers in the old chunk (matrix) form instead of the sequential
+prefill kernel (``DFLASHGEN_GDN_PREFILL=chunk``), for before / after.
+    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn kernel|chunk]"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -17,7 +20,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1023)
+    ap.add_argument("--gdn", choices=("kernel", "chunk"), default="kernel",
+                    help="GDN prefill: the sequential prefill kernel (default) or the chunk form")
     a = ap.parse_args()
+    if a.gdn == "chunk":
+        os.environ["DFLASHGEN_GDN_PREFILL"] = "chunk"
     d = tempfile.mkdtemp()
     write_synthetic(d, None, a.layers, None, seed=0, device="cuda")
     target = load_target(d, device="cuda")
@@ -29,7 +36,8 @@ def main() -> None:
     t0 = time.perf_counter()
     target(toks, target.new_state(1, a.tokens), num_new=n_new, logits=False)
     torch.cuda.synchronize()
-    print(f"prefill of {a.tokens} tokens, {a.layers} layers: {(time.perf_counter() - t0) * 1e3:.1f} ms wall")
+    ms = (time.perf_counter() - t0) * 1e3
+    print(f"prefill of {a.tokens} tokens, {a.layers} layers, GDN {a.gdn}: {ms:.1f} ms wall")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         target(toks, target.new_state(1, a.tokens), num_new=n_new, logits=False)
         torch.cuda.synchronize()

@@ -20,6 +20,8 @@
 // advance grid (ceil(dv / COLS), Hv, L * B): S <- S after n[b] positions, from the u / decay / k a step
 //         wrote (one launch for every GDN layer: per-layer strides). The same update functions as step,
 //         so a T-position verify followed by advance(n) is bitwise n single-position steps.
+// prefill grid (ceil(dv / COLS), Hv, B): any T in one launch, o only, S committed in place after n[b]
+//         positions: step's position body over CHUNK-position stagings, bitwise T one-position steps.
 #pragma once
 
 namespace dflashgen {
@@ -231,6 +233,99 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
     col.add(ks[t], ut, lay.lr);
   }
   col.store(S, dv, lay.lr, lay.j0, lay.live);
+}
+
+// prefill: the step's recurrence over any T in one launch, commit only (a prefill that is not armed for
+// rollback): no u / decay outputs. Positions are staged CHUNK at a time (q / k as float4: the runtime
+// checks q and k are 16-byte aligned), each one through the same Col update / dot as step, so the
+// state and outputs are bitwise those of T one-position steps. S [B, Hv, DK, dv] is read and
+// updated in place: the state after n[b] positions (n = nullptr: all T; n[b] <= 0: S untouched).
+// Inputs and o as for step. grid (ceil(dv / COLS), Hv, B).
+template <int DK, int CHUNK, int WARPS>
+__device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, const float* __restrict__ k,
+                                        const float* __restrict__ v, long long vs_b, long long vs_t,
+                                        long long vs_c, const float* __restrict__ beta,
+                                        const float* __restrict__ log_decay, int T, int Hk, int Hv, int dv,
+                                        float* __restrict__ o, const long long* __restrict__ n) {
+  using L = Layout<WARPS>;
+  constexpr int V4 = DK / 4;                      // float4 per (position, key head)
+  constexpr int QK4 = CHUNK * V4 / L::THREADS;    // float4 of q (and of k) per thread per chunk
+  constexpr int VS = CHUNK * L::COLS / L::THREADS;  // values per thread per chunk
+  constexpr int G = QK4 < 4 ? QK4 : 4;              // float4 of q (and of k) in flight per round
+  static_assert(CHUNK * V4 % L::THREADS == 0 && QK4 % G == 0 && CHUNK * L::COLS % L::THREADS == 0 &&
+                CHUNK <= L::THREADS,
+                "the staging loops assume whole rounds over the CTA");
+  __shared__ __align__(16) float qs[CHUNK][DK];
+  __shared__ __align__(16) float ks[CHUNK][DK];
+  __shared__ float vs[CHUNK][L::COLS], bs[CHUNK], ds[CHUNK];
+  const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
+  const L lay(dv);
+  const long long bt = (long long)b * T;
+  float* S = s + ((long long)b * Hv + h) * DK * dv;
+  const int keep = n != nullptr ? clamp_steps(n[b], T) : T;
+  Col<DK> col;
+  col.load(S, dv, lay.lr, lay.j0, lay.live);
+  const int jl = lay.j0 - blockIdx.x * L::COLS;
+#pragma unroll 1
+  for (int t0 = 0; t0 < T; t0 += CHUNK) {
+    const int tc = T - t0 < CHUNK ? T - t0 : CHUNK;
+    __syncthreads();  // the previous chunk is consumed
+    // q / k in rounds of G float4 each (loads of a round in flight together, 8 G registers beside the
+    // state); the values, betas and decays ride with the first round
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int m0 = 0; m0 < QK4; m0 += G) {
+      float4 qr[G], kr[G];
+      float vr[VS];
+#pragma unroll
+      for (int m = 0; m < G; ++m) {
+        const int e = threadIdx.x + (m0 + m) * L::THREADS, t = e / V4, i4 = e % V4;
+        const long long at = (((bt + t0 + t) * Hk + kh) * DK) / 4 + i4;
+        qr[m] = t < tc ? reinterpret_cast<const float4*>(q)[at] : z;
+        kr[m] = t < tc ? reinterpret_cast<const float4*>(k)[at] : z;
+      }
+      if (m0 == 0) {
+#pragma unroll
+        for (int m = 0; m < VS; ++m) {
+          const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+          vr[m] = t < tc && j < dv ? v[b * vs_b + (t0 + t) * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+        }
+        if (threadIdx.x < tc) {
+          const long long at = (bt + t0 + threadIdx.x) * Hv + h;
+          bs[threadIdx.x] = beta[at];
+          ds[threadIdx.x] = expf(log_decay[at]);
+        }
+#pragma unroll
+        for (int m = 0; m < VS; ++m) {
+          const int e = threadIdx.x + m * L::THREADS;
+          vs[e / L::COLS][e % L::COLS] = vr[m];
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < G; ++m) {
+        const int e = threadIdx.x + (m0 + m) * L::THREADS;
+        reinterpret_cast<float4*>(&qs[0][0])[e] = qr[m];
+        reinterpret_cast<float4*>(&ks[0][0])[e] = kr[m];
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int tt = 0; tt < tc; ++tt) {  // exactly step's position body (o only)
+      col.decay(ds[tt]);
+      float kv[CPT], ut[CPT], ot[CPT];
+      col.dot(ks[tt], kv, lay.lr);
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(bs[tt], __fsub_rn(vs[tt][jl + c], kv[c]));
+      col.add(ks[tt], ut, lay.lr);
+      col.dot(qs[tt], ot, lay.lr);
+      if (lay.live && lay.lr == 0) {
+        const long long at = ((bt + t0 + tt) * Hv + h) * dv + lay.j0;
+#pragma unroll
+        for (int c = 0; c < CPT; ++c) o[at + c] = ot[c];
+      }
+      if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
+    }
+  }
 }
 
 }  // namespace gdn
