@@ -49,7 +49,9 @@ def load_space(arch: int) -> ArchSpace:
     try:
         space = ArchSpace(
             arch=int(raw["arch"]), mma=str(raw["mma"]), sms=int(raw["sms"]), k_plan=dict(raw["k_plan"]),
-            tiles={k: [int(v) for v in vs] for k, vs in raw["tiles"].items()}, limits=dict(raw["limits"]),
+            # x_smem_tiles: a list of [rows, warp_nt, warps_n, stages(, max threads)]; every other knob ints
+            tiles={k: [tuple(int(x) for x in v) if isinstance(v, list) else int(v) for v in vs]
+                   for k, vs in raw["tiles"].items()}, limits=dict(raw["limits"]),
             max_m=int(raw["max_m"]), wgmma=dict(raw.get("wgmma") or {}),
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -144,14 +146,18 @@ class KernelSpec:
     def workspace_floats(self, m: int) -> int:
         return self.kplan.split_k * m * self.layout.n_pad if self.kplan.split_k > 1 else 0
 
+    @property
+    def x_stages(self) -> int:
+        """Activation ring depth of an x_smem tile (skinny_gemm.cuh XST): wgmma stages + 1; mma.sync
+        max(stages, 3), so the copies run two groups ahead also behind a 2-deep weight ring."""
+        return self.tile.stages + 1 if self.kplan.wgmma else max(self.tile.stages, 3)
+
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
         red = max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
-        # x_smem: a ring of `stages` groups of activations per K worker (wgmma: one more), overlaid
-        # with `red`
-        ring = ((self.tile.stages + self.kplan.wgmma) * self.kplan.warps_k * self.tile.rows
-                * self.kplan.k_group * 2)
+        # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
+        ring = self.x_stages * self.kplan.warps_k * self.tile.rows * self.kplan.k_group * 2
         return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
@@ -289,8 +295,10 @@ def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
 
 
 def _best_us(arch: int, fmt: str, n: int, k: int, plan: KPlan, m: int) -> float:
-    """The cost model's best time at M over the plan's tiles of at most 16 rows."""
-    times = [model_us(s, m) for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows <= 16]
+    """The cost model's best time at M over the plan's register-path tiles of at most 16 rows (the
+    alternatives are for the SM fill at small M, where x_smem tiles are not what decides it)."""
+    times = [model_us(s, m) for s in _plan_tiles(arch, fmt, n, k, False, plan, ())
+             if s.tile.rows <= 16 and not s.tile.x_smem]
     return min(times, default=math.inf)
 
 
@@ -328,11 +336,14 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     elif t.x_smem:
         if spec.fam != "sm80":
             return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
-        if t.x_ahead or t.warp_nt > 1 or t.rows < space.limits.get("x_smem_from_rows", 16) or t.stages < 2:
-            return (f"x_smem only with x_ahead=0, warp_nt=1, >= 2 stages and rows >= "
-                    f"{space.limits.get('x_smem_from_rows', 16)}")
-        if t.warps_n not in space.tiles.get("x_smem_warps_n", space.tiles["warps_n"]):
-            return f"x_smem tiles take warps_n from {space.tiles.get('x_smem_warps_n')}"
+        shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
+        listed = [s for s in space.tiles.get("x_smem_tiles", []) if s[:4] == shape]
+        if t.x_ahead or not listed:
+            return (f"x_smem only with x_ahead=0 and (rows, warp_nt, warps_n, stages) {shape} in the "
+                    f"space's x_smem_tiles {[s[:4] for s in space.tiles.get('x_smem_tiles', [])]}")
+        if len(listed[0]) > 4 and spec.threads > listed[0][4]:
+            return (f"x_smem tile {shape} with {spec.threads} threads: its registers fit >= 2 CTAs per SM "
+                    f"only up to {listed[0][4]} threads")
         if spec.threads > space.limits.get("x_smem_max_threads", 512):
             return (f"x_smem with {spec.threads} threads: (512, 1) launch bounds cap registers at 128 "
                     f"and FP8 tiles spill (nvcc 13); at most {space.limits.get('x_smem_max_threads')}")
@@ -388,8 +399,10 @@ def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
     plans = _mma_sync_plans(arch, fmt, n, k)
     alt_rows = load_space(arch).k_plan.get("alt_max_rows", 64)
     for i, plan in enumerate(plans):
-        # alternatives are for the small-M buckets (SM fill); rows=8 still serves any M
-        out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves) if i == 0 or c.tile.rows <= alt_rows]
+        # alternatives are for the small-M buckets (SM fill), register-path tiles only; rows=8
+        # still serves any M
+        out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves)
+                if i == 0 or (c.tile.rows <= alt_rows and not c.tile.x_smem)]
     for plan in wgmma_plans(arch, fmt, n, k):
         out += _wgmma_tiles(arch, fmt, n, k, silu, plan, serves)
     return out
@@ -414,12 +427,15 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                 serves: tuple[str, ...]) -> list[KernelSpec]:
     space = load_space(arch)
     out: list[KernelSpec] = []
+    # x_smem tiles hold no activations in registers (always x_ahead=0); their shapes are the
+    # space's x_smem_tiles list, every other tile the product of the knobs
+    xs_shapes = space.tiles.get("x_smem_tiles", []) if 1 in space.tiles.get("x_smem", [0]) else []
     for rows in space.tiles["rows"]:
         for warp_nt in space.tiles["warp_nt"]:
-            for warps_n in sorted(set(space.tiles["warps_n"]) | set(space.tiles.get("x_smem_warps_n", []))):
-                # x_smem tiles hold no activations in registers: always x_ahead=0
-                act = [(xa, 0) for xa in space.tiles["x_ahead"]] + [(0, 1)] * (1 in space.tiles.get("x_smem", [0]))
-                for stages, (xa, xs) in itertools.product(space.tiles["stages"], act):
+            for warps_n in sorted(set(space.tiles["warps_n"]) | {s[2] for s in xs_shapes}):
+                act = [(st, xa, 0) for st, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"])]
+                act += [(st, 0, 1) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
+                for stages, xa, xs in act:
                     tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
                     for occ in space.tiles["occupancy"]:
@@ -465,6 +481,16 @@ SM_GIPS = {70: 2.2 * 1.4, 80: 2.2 * 1.4, 90: 2.2 * 1.78}  # sustained G instruct
 LATENCY_US = 1.0  # DRAM round trip under load: bytes in flight per warp are its stages
 READ_GBS = {70: 800.0, 80: 1800.0, 90: 4260.0}  # reference read bandwidth
 RAMP_US, REDUCE_US = 2.0, 2.0
+# x_smem tiles (m16n8k16, sm_80 / sm_90) also pay for traffic the other terms do not see:
+# L1TEX / shared-memory bytes on the busiest SM (weight loads, LDS.128 B fragments, the cp.async
+# fills) at 128 B per clock, and L2 -> SM bytes (each row block re-reads the weights; every N tile
+# of CTAs stages all M activation rows). Calibrated on the session-4 ncu of the NVFP4 gate_up x_smem
+# r32 nt1 wn2 tile at M = 64 (96 us: L1/TEX 77%, L2 72.5% of peak, ~913 MB from L2; modelled 96).
+# Register-path tiles keep the model the generator's tile and plan rules were tuned with.
+L1_BYTES_PER_US = {80: 128 * 1.41e3, 90: 128 * 1.78e3}
+L1_EFF = 0.85
+L2_GBS = {80: 5000.0, 90: 11000.0}
+X_SMEM_INSTR = (16.0, 9.0)  # x_smem copies, barrier and wait per warp and group (NVFP4, FP8), sm_90 SASS
 
 
 def _instr_per_group(spec: KernelSpec) -> float:
@@ -480,7 +506,10 @@ def _instr_per_group(spec: KernelSpec) -> float:
     base, per8 = (64.0, 6.0) if nvfp4 else (14.0, 3.4)
     if spec.arch < 89:
         base *= 1.9 if nvfp4 else 4.0
-    return base + per8 * (spec.tile.rows // 8 - 1)
+    # x_smem: copies, barrier and wait per warp (shared by its warp_nt tiles); sm_90 SASS per tile-group
+    # (gate_up N34816): NVFP4 r16 / r32 / r64 nt2 72-74 / 85-89 / 109-120, nt1 80-84 / 95-104
+    xs = X_SMEM_INSTR[0 if nvfp4 else 1] / spec.tile.warp_nt if spec.tile.x_smem else 0.0
+    return base + per8 * (spec.tile.rows // 8 - 1) + xs
 
 
 def resident_ctas(spec: KernelSpec) -> int:
@@ -513,5 +542,14 @@ def model_us(spec: KernelSpec, m: int, bw_gbs: float = 0.0, sms: int = 0) -> flo
     t_lat = math.ceil(math.ceil(ctas / sms) / res) * cta_us
     # issue on the busiest SM: it runs ceil(ctas / sms) CTAs, each of warp tiles x its K groups
     t_issue = math.ceil(ctas / sms) * tile_groups * _instr_per_group(spec) / (SM_GIPS.get(spec.arch, 3.0) * 1e3)
-    t = max(t_mem, t_mma, t_lat, t_issue) + RAMP_US
+    t_l1 = t_l2 = 0.0
+    if spec.tile.x_smem and spec.fam == "sm80" and not spec.kplan.wgmma:
+        groups = spec.k // lay.k_group // gz  # K groups of one CTA (all its K workers)
+        wn, nt, n8 = spec.tile.warps_n, spec.tile.warp_nt, spec.tile.rows // 8
+        x_frag = wn * n8 * (lay.k_group // 32) * 512  # B fragments: 16 B per lane per 8 rows and 32 K
+        fill = min(spec.tile.rows, m) * lay.k_group * 2
+        cta_bytes = groups * (wn * nt * per_load + x_frag + fill)
+        t_l1 = math.ceil(ctas / sms) * cta_bytes / (L1_BYTES_PER_US.get(spec.arch, 128 * 1.4e3) * L1_EFF)
+        t_l2 = (gx * wbytes + gy * m * spec.k * 2) / (L2_GBS.get(spec.arch, 5000.0) * 1e3)
+    t = max(t_mem, t_mma, t_lat, t_issue, t_l1, t_l2) + RAMP_US
     return t + (REDUCE_US if gz > 1 else 0.0)

@@ -73,18 +73,23 @@ def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float, sms: int = 0) ->
     return model_us(spec_of(entry), m, bw_gbs, sms or SMS.get(entry["arch"], 100))
 
 
-def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6) -> list[dict[str, Any]]:
+def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.6,
+          keep_x_smem: float = 1.8) -> list[dict[str, Any]]:
     """Candidates within `keep` x the cost model's best, per K plan: the tuner chooses the plan
-    jointly over all buckets, so every plan keeps its own leaders at every M."""
-    by_plan: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    jointly over all buckets, so every plan keeps its own leaders at every M. Within a plan the
+    x_smem tiles are ranked among themselves (within `keep_x_smem` of their best): only they carry
+    the model's L1TEX / L2 traffic terms, which are calibrated on one ncu point, so they neither
+    crowd out the register-path tiles nor get dropped against those tiles' leaner model."""
+    by_plan: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for e in entries:
-        by_plan[json.dumps(e["kplan"], sort_keys=True)].append(e)
+        by_plan[(json.dumps(e["kplan"], sort_keys=True), int(e["tile"].get("x_smem", 0)))].append(e)
     out = []
     for plan in sorted(by_plan):
         # ties (rows that all cover M) go to the smallest tile: least padded work
         scored = sorted(by_plan[plan], key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
         best = model_time_us(scored[0], m, bw_gbs)
-        out += [e for e in scored if model_time_us(e, m, bw_gbs) <= keep * best]
+        factor = max(keep, keep_x_smem) if plan[1] else keep
+        out += [e for e in scored if model_time_us(e, m, bw_gbs) <= factor * best]
     return sorted(out, key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
 
 

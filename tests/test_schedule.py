@@ -125,27 +125,54 @@ def test_space_files_load() -> None:
 
 
 def test_x_smem_tiles() -> None:
-    # The CTA-staged activation tile (issue #4 item 2): m16n8k16 trait only, large row tiles only,
-    # no activation registers (x_ahead=0), one warp tile per warp, within static shared memory.
+    # The CTA-staged activation tile (issue #4 item 2): m16n8k16 trait only, no activation registers
+    # (x_ahead=0), shapes (rows, warp_nt, warps_n, stages) from the space's x_smem_tiles list, within
+    # static shared memory; sm_90 also rows 16 and warp_nt 2 (a B fragment feeds two weight tiles).
     for arch in (80, 90):
+        shapes = [s[:4] for s in load_space(arch).tiles["x_smem_tiles"]]
         xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma]
-        assert {c.tile.rows for c in xs} == ({32, 64} if arch == 90 else {64})
+        assert {c.tile.rows for c in xs} == ({16, 32, 64} if arch == 90 else {64})
+        assert {c.tile.warp_nt for c in xs} == ({1, 2} if arch == 90 else {1})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
         for c in xs:
-            assert c.tile.x_ahead == 0 and c.tile.warp_nt == 1 and c.threads <= 256
+            t = c.tile
+            assert t.x_ahead == 0 and (t.rows, t.warp_nt, t.warps_n, t.stages) in shapes and c.threads <= 256
             assert "_xs1_" in c.name and c.smem_bytes() <= load_space(arch).limits["smem_bytes"]
+            # the activation ring keeps >= 3 stages behind a 2-deep weight ring
+            assert c.x_stages == max(t.stages, 3)
+            assert c.smem_bytes() >= c.x_stages * c.kplan.warps_k * t.rows * c.kplan.k_group * 2
             # same K plan as the register tiles of the problem: bitwise-identical rows
             assert c.kplan == k_plan(arch, "nvfp4", 34816, 5120)
     assert not any(c.tile.x_smem for c in candidates(70, "nvfp4", 34816, 5120))
+    # alternative (split-K) plans keep register-path tiles only
+    for fmt, n, k in (("fp8_channel", 34816, 5120), ("nvfp4", 5120, 17408), ("nvfp4", 8704, 5120)):
+        base_plan = k_plan(90, fmt, n, k)
+        assert not any(c.tile.x_smem for c in candidates(90, fmt, n, k) if c.kplan != base_plan and not c.kplan.wgmma)
     base = KernelSpec(90, "nvfp4", 34816, 5120, False, KPlan(1, 2, 64), Tile(64, 1, 2, 3, x_ahead=0, x_smem=1))
     assert illegal_reason(base) is None
-    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, rows=16)))
+    assert illegal_reason(replace(base, tile=replace(base.tile, rows=16))) is None
+    assert illegal_reason(replace(base, tile=replace(base.tile, rows=32, warp_nt=2, warps_n=4, stages=2))) is None
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, rows=8)))
     assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, x_ahead=1)))
+    # not listed: one CTA of 256 threads per SM (148-190 registers)
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, warp_nt=2, warps_n=4, stages=2)))
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, rows=16), arch=80))
     assert "m16n8k16" in illegal_reason(replace(base, arch=70, kplan=KPlan(1, 2, 32)))
     assert "shared memory" in illegal_reason(replace(base, kplan=KPlan(1, 4, 64)))
-    assert "warps_n" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=8)))
+    assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=8)))
     wide = replace(base, tile=replace(base.tile, rows=32, warps_n=4), kplan=KPlan(1, 4, 64))
     assert "threads" in illegal_reason(wide)
+    # warp_nt = 2 shapes whose registers fit >= 2 CTAs per SM only at 128 threads (warps_k 2)
+    nt2 = replace(base, tile=replace(base.tile, rows=32, warp_nt=2))
+    assert illegal_reason(nt2) is None
+    assert "2 CTAs per SM" in illegal_reason(replace(nt2, n=5120, k=1536, kplan=KPlan(1, 4, 64)))
+    # the x_smem traffic terms: wider CTAs stage each activation byte for more weight rows, so at
+    # M = 64 the warp_nt = 2 tiles model faster than the session-3 r32 nt1 wn2 tile (90-96 us measured)
+    r32 = replace(base, tile=replace(base.tile, rows=32), serves=())
+    assert 85.0 < model_us(r32, 64) < 105.0
+    for shape in ((32, 2, 2, 3), (64, 2, 2, 2)):
+        t = Tile(*shape, x_ahead=0, x_smem=1)
+        assert model_us(replace(base, tile=t), 64) < 0.8 * model_us(r32, 64)
 
 
 def test_wgmma_plans_and_tiles() -> None:

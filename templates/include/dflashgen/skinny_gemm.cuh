@@ -70,7 +70,9 @@ struct SkinnyGemm {
   // the time the K reduction needs `red`, so they share the storage.
   // WGMMA keeps one more stage: a stage is rewritten only once the wgmma group that read it has
   // retired (wait_group 1 keeps the newest in flight), so the copy runs XST - 2 groups ahead.
-  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : Cfg::STAGES;
+  // mma.sync keeps at least 3 (copies two groups ahead) also where the weight register ring is
+  // shallower (STAGES = 2: the warp_nt = 2 tiles, whose second weight tile costs the registers).
+  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : (Cfg::STAGES < 3 ? 3 : Cfg::STAGES);
   static constexpr int XCHUNKS = Cfg::ROWS * T::XCPR;      // 16-byte chunks per stage
   static constexpr int XTHR = 32 * Cfg::WARPS_N;            // copiers: the worker's threads
   static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
@@ -158,7 +160,9 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
 
-      constexpr int U = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
+      // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
+      constexpr int U0 = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
+      constexpr int U = Cfg::X_SMEM && !WG ? U0 * XST / gcd_c(U0, XST) : U0;
       if constexpr (WG) {
 #ifdef DFLASHGEN_WGMMA
         run_wgmma(groups, wk, wp, sp, wbuf, sbuf, acc, smem);
