@@ -77,7 +77,11 @@ def _stack(pkg: str, entry: dict[str, Any], w: Any) -> tuple[Any, Any, Any, Any]
     lib._kernels[entry["name"]] = kern
     ws = torch.empty(kern.split_k * 64 * kern.n_pad)
     # the stream's split-K scratch: partials (runtimes before session 5), or (partials, tickets)
-    kern._workspaces[7] = (ws, torch.zeros(64, dtype=torch.int32)) if hasattr(kern, "_tickets") else ws
+    if hasattr(kern, "_tickets"):
+        kern._workspaces[7] = (ws, torch.zeros(64, dtype=torch.int32))
+        kern._spare_tickets = torch.zeros(64, dtype=torch.int32)  # nothing asks torch.cuda about capture
+    else:
+        kern._workspaces[7] = ws
     mod = linmod.QuantLinear(w, "p", library=lib, device="cpu")
     packed = mod.packed()
     kern._last_weight = tuple(weakref.ref(t) for t in (packed.weights, packed.scales, packed.col_scale))
