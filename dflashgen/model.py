@@ -22,7 +22,7 @@ SUPPORTED_TP = (1, 2, 4, 8)
 FULL, LINEAR, MLP, LM_HEAD = "full_attention", "linear_attention", "mlp", "lm_head"
 LAYER_TYPES = (FULL, LINEAR, MLP, LM_HEAD)
 # GDN's in_proj_qkvz and in_proj_ba (same input x) run as ONE fused projection, in_proj_qkvzba:
-# one launch (and one split-K reduce) instead of two per GDN layer. The checkpoint keeps the two HF
+# one launch instead of two per GDN layer. The checkpoint keeps the two HF
 # matrices; the names below are accepted as aliases of the fused one where a user names a projection.
 GDN_IN_PROJ = "in_proj_qkvzba"
 LEGACY_PROJECTION_NAMES = {"in_proj_qkvz": GDN_IN_PROJ, "in_proj_ba": GDN_IN_PROJ}

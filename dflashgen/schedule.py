@@ -194,7 +194,8 @@ class KernelSpec:
 
 def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
     """The one K plan for (arch, format, N, K): enough warps along K to fill the GPU, preferring
-    warps of one CTA (reduced in shared memory) over CTA splits (an extra reduce kernel)."""
+    warps of one CTA (reduced in shared memory) over CTA splits (FP32 partials through L2, summed
+    in the same launch by the last of the split warps holding each output)."""
     space = load_space(arch)
     lay = Layout(arch, fmt, n, k)
     lay.check()
@@ -206,9 +207,10 @@ def k_plan(arch: int, fmt: str, n: int, k: int) -> KPlan:
     while warps_k > 1 and groups // warps_k < min_groups:
         warps_k //= 2
     split_k = 1
-    # Split across CTAs only when the CTA's warps fall well short: a split costs a reduce launch and,
-    # on mid-size N (5120: 320 tiles), pushes the grid just past one wave (sk2 = 320 CTAs of 512
-    # threads for 264 slots), while warps_k alone already gives half the wanted warps.
+    # Split across CTAs only when the CTA's warps fall well short: a split costs the partials' round
+    # trip through L2 plus a serial tail (the last warp of a tile sums them) and, on mid-size N
+    # (5120: 320 tiles), pushes the grid just past one wave (sk2 = 320 CTAs of 512 threads for 264
+    # slots), while warps_k alone already gives half the wanted warps.
     if warps_k >= space.k_plan.get("split_if_below", 0.0) * want:
         return KPlan(split_k=1, warps_k=warps_k, k_group=lay.k_group)
     while (warps_k * split_k < want and split_k * 2 <= space.k_plan["max_split_k"]
@@ -470,9 +472,12 @@ def _occupancy_blocks(spec: KernelSpec) -> int:
 # Cost model (shared by the generator's plan/tile rules, the tuner's pruning and the untuned
 # heuristic tables): the slowest of DRAM bytes, MMA work, latency (bytes in flight per resident
 # warp) and issue on the busiest SM (the SM that got the most CTAs), plus a ramp and, for split-K,
-# the reduce launch. Calibrated on the H200 (bench/h200-2026-11-29-s3 ncu): NVFP4 r8 kernels on 80
-# of 132 SMs issue ~2.2 instructions per cycle per SM, i.e. they are issue-bound per SM, so how
-# evenly CTAs land on SMs decides their speed; FP8 is bound by bytes in flight.
+# the reduce (REDUCE_US: set when it was a second launch; since session 5 it is the last warp's
+# serial tail in the same launch, to be measured on the H200 before changing it, which would
+# change which plans and tiles are generated). Calibrated on the H200
+# (bench/h200-2026-11-29-s3 ncu): NVFP4 r8 kernels on 80 of 132 SMs issue ~2.2 instructions per
+# cycle per SM, i.e. they are issue-bound per SM, so how evenly CTAs land on SMs decides their
+# speed; FP8 is bound by bytes in flight.
 # ---------------------------------------------------------------------------------------------
 L2_REREAD = 0.3  # a re-read of a weight tile by another row block mostly hits L2
 MMA_TFLOPS = {70: 100.0, 80: 250.0, 90: 600.0}  # mma.sync FP16 (H200 measured 643 TFLOP/s)

@@ -69,7 +69,7 @@ def spec_of(entry: dict[str, Any]) -> KernelSpec:
 
 def model_time_us(entry: dict[str, Any], m: int, bw_gbs: float, sms: int = 0) -> float:
     """The schedule's cost model (dflashgen.schedule.model_us: bytes, MMA work, bytes in flight,
-    issue on the busiest SM, ramp, split-K reduce) for a manifest entry."""
+    issue on the busiest SM, ramp, split-K reduce tail) for a manifest entry."""
     return model_us(spec_of(entry), m, bw_gbs, sms or SMS.get(entry["arch"], 100))
 
 

@@ -39,6 +39,7 @@ class GemmKernel:
         self.silu = entry["epilogue"] == "silu"
         self.fmt: str = entry["format"]
         self.rows: int = entry["tile"]["rows"]
+        self.warps_n: int = entry["tile"]["warps_n"]
         self.split_k: int = entry["kplan"]["split_k"]
         self.threads: int = entry["threads"]
         self.max_m = max_m
@@ -48,20 +49,22 @@ class GemmKernel:
         self._grid_y = -(-tiles // per_cta)
         self.device = torch.device("cuda", device.index or 0) if device.type == "cuda" else device
         self.image_path = image_path
-        self._fns: tuple[Function, Function | None] | None = None
+        self._fn: Function | None = None
         self._last_weight: tuple[weakref.ref[torch.Tensor] | None, ...] | None = None
         # what x.get_device() reports for a tensor on the kernel's device (-1: CPU, for fakes in tests)
         self._dev_index: int = self.device.index if self.device.type == "cuda" else -1
-        self._workspaces: dict[int, torch.Tensor] = {}
+        # split-K scratch per stream: (FP32 partials, int32 tickets), and one set of zeroed tickets
+        # kept ahead for a stream first seen under CUDA graph capture (see _workspace)
+        self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._spare_tickets: torch.Tensor | None = None
         self._generic: GemmLaunch | None = None  # the launch __call__ rebinds to each call's weight
 
-    def _functions(self) -> tuple[Function, Function | None]:
-        if self._fns is None:  # loaded on first launch, so validation needs no GPU
+    def _function(self) -> Function:
+        if self._fn is None:  # loaded on first launch, so validation needs no GPU
             ensure_context(self.device.index or 0)
             self.module = Module(self.image_path.read_bytes(), str(self.image_path))
-            reduce_fn = self.module.function(self.name + "_reduce") if self.split_k > 1 else None
-            self._fns = (self.module.function(self.name), reduce_fn)
-        return self._fns
+            self._fn = self.module.function(self.name)
+        return self._fn
 
     def validate(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None) -> int:
         if not isinstance(x, torch.Tensor):
@@ -136,14 +139,52 @@ class GemmKernel:
                                        and not overlaps(x.data_ptr(), 2 * x.numel(), out.data_ptr(),
                                                         2 * out.numel())))
 
-    def _workspace(self, stream: int) -> torch.Tensor:
-        """Split-K partials, one buffer per stream sized for max M (launches on one stream are
-        ordered, so reuse is safe; a graph captured on a stream keeps that stream's buffer)."""
-        ws = self._workspaces.get(stream)
-        if ws is None:
-            ws = torch.empty((self.split_k * min(self.max_m, 64) * self.n_pad,), dtype=torch.float32,
-                             device=self.device)
+    def _tickets(self, m: int) -> torch.Tensor:
+        """Zeroed split-K ticket counters for launches of up to m rows, one int32 per (row block, N
+        tile, warp along N): the SPLIT_K warps holding the same outputs (one per CTA along z) each
+        take a ticket and the one that draws the last sums the partials. That ticket also wraps the
+        counter back to 0 (atomicInc), so every launch leaves its counters zeroed: a buffer zeroed
+        once serves every later launch on its stream and every replay of a graph that captured it."""
+        return torch.zeros((-(-m // self.rows) * self._grid_y * self.warps_n,), dtype=torch.int32,
+                           device=self.device)
+
+    def _capturing(self) -> bool:
+        if self.device.type != "cuda":
+            return False
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
+
+    def _workspace(self, stream: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-K scratch for a launch of m rows on ``stream`` (torch's current stream): FP32
+        partials ``[split_k, m, n_pad]`` and the ticket counters. Up to 64 rows: one pair per
+        stream, sized for 64 rows and kept. Launches on one stream run one after another and each
+        leaves its counters at 0, so the next launch (or a replay of a graph captured on that
+        stream) finds them zeroed; two streams get two pairs, so their launches may overlap. Graphs
+        captured on one stream share its pair: replay them one at a time (DecodeGraphs does), not
+        concurrently on several streams. Above 64 rows every call gets its own pair, the counters
+        zeroed on the stream before the launch (under capture that memset is part of the graph)."""
+        if m > 64:
+            ws = (torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=self.device),
+                  self._tickets(m))
+        elif (ws := self._workspaces.get(stream)) is None:
+            rows = min(self.max_m, 64)
+            if not self._capturing():
+                tickets = self._tickets(rows)
+            elif self._spare_tickets is not None:
+                # A memset captured here would zero the counters only when this graph replays, not
+                # before an eager launch or another graph captured on this stream: take counters
+                # zeroed eagerly (the spare below, made by an earlier launch outside capture;
+                # torch.cuda.graph synchronizes the device before capturing).
+                tickets, self._spare_tickets = self._spare_tickets, None
+            else:
+                raise RuntimeError(f"{self.name}: first split-K launch on a stream inside CUDA graph capture, "
+                                   "and no zeroed ticket counters at hand: launch the kernel once outside "
+                                   "capture first (a warm-up)")
+            ws = (torch.empty((self.split_k * rows * self.n_pad,), dtype=torch.float32, device=self.device),
+                  tickets)
             self._workspaces[stream] = ws
+        if self._spare_tickets is None and not self._capturing():
+            self._spare_tickets = self._tickets(min(self.max_m, 64))
         return ws
 
     def prepare(self, w: PackedWeight, m: int) -> GemmLaunch:
@@ -177,15 +218,16 @@ class GemmKernel:
 
 
 class GemmLaunch:
-    """One GemmKernel launch (plus its split-K reduce) with every argument in persistent ctypes
-    storage. ``bind`` writes the weight's pointers, M and the grid; ``launch`` writes x, out, the
-    stream and its split-K workspace, and launches. A launch bound once and kept (``GemmKernel.prepare``;
-    QuantLinear keeps one per input shape) costs two pointer writes per call. Fill and launch under ``lock``:
-    threads sharing a launch would otherwise interleave their pointers (a thread switch can come
-    between the writes and the driver call)."""
+    """One GemmKernel launch with every argument in persistent ctypes storage. ``bind`` writes the
+    weight's pointers, M and the grid; ``launch`` writes x, out, the stream and its split-K
+    workspace, and launches. A split-K kernel reduces its partials itself (the last CTA of each
+    output tile sums them in split order), so every call is one launch. A launch bound once and
+    kept (``GemmKernel.prepare``; QuantLinear keeps one per input shape) costs two pointer writes
+    per call. Fill and launch under ``lock``: threads sharing a launch would otherwise interleave
+    their pointers (a thread switch can come between the writes and the driver call)."""
 
     def __init__(self, kern: GemmKernel) -> None:
-        fn, reduce_fn = kern._functions()
+        fn = kern._function()
         self.kern = kern
         self.lock = threading.Lock()
         self.get_stream = stream_getter()
@@ -195,55 +237,39 @@ class GemmLaunch:
         self.m = 0
         self._x_bytes = self._y_bytes = 0
         self._dev = kern._dev_index
+        self._split = kern.split_k > 1
         self._stream = -1  # the stream the workspace pointers were written for
-        # x, M, weights, scales, col_scale, out, workspace | workspace, M, col_scale, out
-        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1),
-                                ArgPack([ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5]))
-        self._reduce = None if reduce_fn is None else LaunchArgs(
-            reduce_fn, (1, 1, 1), (256, 1, 1),
-            ArgPack([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]))
+        # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets]
+        params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5)]
+        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params))
 
     def bind(self, w: PackedWeight, m: int) -> None:
         """Point the launch at a validated weight and M rows (caller holds ``lock``)."""
-        kern, red = self.kern, self._reduce
         v = self._main.pack.values
         v[1].value, v[2].value = m, w.weights.data_ptr()
         v[3].value = 0 if w.scales is None else w.scales.data_ptr()
         v[4].value = w.col_scale.data_ptr()
-        self._main.grid[0].value = -(-m // kern.rows)  # row blocks fastest: weights hit L2
-        if red is not None:
-            r = red.pack.values
-            r[1].value, r[2].value = m, w.col_scale.data_ptr()
-            red.grid[0].value = -(-(m * kern.n_out) // 256)
-            if m > 64:
-                self._stream = -1  # above 64 rows each call gets its own workspace
+        self._main.grid[0].value = -(-m // self.kern.rows)  # row blocks fastest: weights hit L2
+        if self._split and m > 64:
+            self._stream = -1  # above 64 rows each call gets its own workspace
         self.m = m
         self._x_bytes, self._y_bytes = 2 * m * kern.k, 2 * m * kern.n_out  # FP16 x [M, K], y [M, N_out]
 
     def launch(self, x_ptr: int, out_ptr: int, stream: int) -> None:
-        """Launch on ``stream`` for x and out at these addresses (caller holds ``lock``)."""
-        main, red = self._main, self._reduce
+        """Launch on ``stream`` (torch's current stream) for x and out at these addresses (caller
+        holds ``lock``)."""
+        main = self._main
         v = main.pack.values
         v[0].value, v[5].value = x_ptr, out_ptr
         ws = None
         if stream != self._stream:  # the split-K workspace is per stream (graphs keep their own)
             main.stream.value = stream
-            if red is not None:
-                red.stream.value = stream
-                ws = self._workspace(stream)
-                v[6].value = red.pack.values[0].value = ws.data_ptr()
-            self._stream = stream if red is None or self.m <= 64 else -1
+            if self._split:
+                ws = self.kern._workspace(stream, self.m)
+                v[6].value, v[7].value = ws[0].data_ptr(), ws[1].data_ptr()
+            self._stream = stream if not self._split or self.m <= 64 else -1
         main.launch()
-        if red is not None:
-            red.pack.values[3].value = out_ptr
-            red.launch()
-        del ws  # a per-call workspace (M > 64) is freed once both launches are queued on the stream
-
-    def _workspace(self, stream: int) -> torch.Tensor:
-        kern = self.kern
-        if self.m <= 64:
-            return kern._workspace(stream)
-        return torch.empty((kern.split_k * self.m * kern.n_pad,), dtype=torch.float32, device=kern.device)
+        del ws  # a per-call workspace (M > 64) is freed once the launch is queued on the stream
 
     def __call__(self, x: torch.Tensor, out_shape: tuple[int, ...], out: torch.Tensor | None = None,
                  ) -> torch.Tensor | None:

@@ -89,7 +89,7 @@ def test_compiled_block_uses_the_op() -> None:
 
 def _kernel_module(lib, split_k: bool):
     """A TP4 projection (NVFP4) whose M = 8 bucket this GPU's table serves with a kernel, with or
-    without split-K (two launches per call), as a QuantLinear; skips if the table has none."""
+    without split-K (one launch per call either way), as a QuantLinear; skips if the table has none."""
     from dflashgen.runtime.linear import QuantLinear
 
     for p, q in _layer_weights("nvfp4", lib.device):

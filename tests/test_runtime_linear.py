@@ -181,8 +181,8 @@ class _Recorder:
     def __call__(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
         import ctypes
 
-        ptrs = (ctypes.c_void_p * 7).from_address(params.value)
-        n = 7 if fn.value == 1 else 4  # main kernel: 7 parameters; reduce: 4
+        n = 7 if fn.value == 1 else 8  # 7 parameters; split-K kernels (handle 2) add the tickets
+        ptrs = (ctypes.c_void_p * n).from_address(params.value)
         vals = [ctypes.c_void_p.from_address(ptrs[i]).value or 0 for i in range(n)]
         vals[1] = ctypes.c_int.from_address(ptrs[1]).value  # M
         self.calls.append((fn.value, (gx.value, gy.value, gz.value), stream.value or 0, vals))
@@ -209,8 +209,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(library, "machine_fingerprint", lambda dev: {})
     monkeypatch.setattr(library, "resolve", lambda entry, arch, build_dir=None:
                         types.SimpleNamespace(path=Path("/nonexistent"), source="fake"))
-    monkeypatch.setattr(kernels.GemmKernel, "_functions",
-                        lambda self: (Fn(self.name, 1), Fn(self.name + "_reduce", 2) if self.split_k > 1 else None))
+    monkeypatch.setattr(kernels.GemmKernel, "_function", lambda self: Fn(self.name, 2 if self.split_k > 1 else 1))
     monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
     monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
 
@@ -234,7 +233,7 @@ def fake_gpu(monkeypatch):
 
 def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
     make, rec = fake_gpu
-    n, k = 24, 5120  # GDN in_proj_ba's shape at TP4, split-K: a reduce launch after the main one
+    n, k = 24, 5120  # GDN in_proj_ba's shape at TP4, split-K: still one launch per call
     lib = make("nvfp4", n, k, split_k=2)
     mod = QuantLinear(_weight("nvfp4", n, k), "in_proj_ba", library=lib)
     assert mod.prepare(4) is None  # M = 4 goes to the fallback: nothing to prepare
@@ -243,19 +242,65 @@ def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
     x = _x(8, k)
     y = mod(x)
     assert y.shape == (8, n) and y.dtype == torch.float16
-    assert [c[0] for c in rec.calls] == [1, 2]  # main, then reduce
-    (_, grid, stream, main), (_, rgrid, rstream, red) = rec.calls
+    assert [c[0] for c in rec.calls] == [2]  # one launch: the kernel reduces its own partials
+    ((_, grid, stream, main),) = rec.calls
     pw = mod.packed()
-    ws = lib._kernels[launch.kern.name]._workspaces[7].data_ptr()
+    kern = lib._kernels[launch.kern.name]
+    partials, tickets = kern._workspaces[7]
     assert main == [x.data_ptr(), 8, pw.weights.data_ptr(), pw.scales.data_ptr(), pw.col_scale.data_ptr(),
-                    y.data_ptr(), ws]
-    assert red == [ws, 8, pw.col_scale.data_ptr(), y.data_ptr()]
-    assert stream == rstream == 7 and grid == (1, launch.kern._grid_y, launch.kern.split_k)
-    assert rgrid == (1, 1, 1)  # 8 x 24 outputs: one block of 256
+                    y.data_ptr(), partials.data_ptr(), tickets.data_ptr()]
+    assert stream == 7 and grid == (1, kern._grid_y, kern.split_k)
+    # the stream's workspace: partials for 64 rows, a zeroed ticket counter per (row block, N tile, warp)
+    assert partials.dtype == torch.float32 and partials.numel() == kern.split_k * 64 * kern.n_pad
+    assert tickets.dtype == torch.int32 and tickets.numel() == 64 // kern.rows * kern._grid_y * kern.warps_n
+    assert not tickets.any() and kern._spare_tickets is not None and not kern._spare_tickets.any()
     x2 = _x(8, k, seed=5)  # a second call writes only the new x and out
     y2 = mod(x2)
-    assert rec.calls[2][3][0] == x2.data_ptr() and rec.calls[2][3][5] == y2.data_ptr()
-    assert rec.calls[2][3][2:5] == main[2:5]
+    assert rec.calls[1][3][0] == x2.data_ptr() and rec.calls[1][3][5] == y2.data_ptr()
+    assert rec.calls[1][3][2:] == main[2:5] + [y2.data_ptr(), partials.data_ptr(), tickets.data_ptr()]
+    assert len(kern._workspaces) == 1
+
+
+def test_split_k_workspaces_per_stream_per_call_and_under_capture(fake_gpu, monkeypatch) -> None:
+    """Split-K scratch: one (partials, tickets) pair per stream up to 64 rows, a fresh zeroed pair per
+    call above; a stream first seen under CUDA graph capture gets tickets zeroed outside the capture
+    (the spare), and without one the launch is refused with a clear error."""
+    from dflashgen.runtime import kernels
+
+    make, rec = fake_gpu
+    n, k = 24, 5120
+    lib = make("nvfp4", n, k, split_k=2)
+    kern = lib.kernel(next(name for name in lib.entries() if name.startswith("fake_")))
+    w = lib.pack(_weight("nvfp4", n, k))
+    launch = kern.prepare(w, 8)
+    launch.launch(11, 12, 7)
+    first = kern._workspaces[7]
+    assert rec.calls[-1][3] == [11, 8, *rec.calls[-1][3][2:5], 12, first[0].data_ptr(), first[1].data_ptr()]
+    monkeypatch.setattr(kernels.GemmKernel, "_capturing", lambda self: True)  # from here on: "capturing"
+    spare = kern._spare_tickets
+    assert spare is not None and spare is not first[1]
+    launch.launch(11, 12, 8)  # a new stream under capture takes the spare (zeroed eagerly)
+    assert kern._workspaces[8][1] is spare and kern._spare_tickets is None  # and none is made now
+    assert rec.calls[-1][3][6:] == [kern._workspaces[8][0].data_ptr(), spare.data_ptr()]
+    kern.prepare(w, 16).launch(11, 12, 8)  # same stream, another launch: the same workspace
+    assert rec.calls[-1][3][6:] == [kern._workspaces[8][0].data_ptr(), spare.data_ptr()]
+    n_calls = len(rec.calls)
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture.*launch the kernel once outside capture"):
+        launch.launch(11, 12, 9)  # stream 9, still capturing, no spare left
+    assert len(rec.calls) == n_calls and 9 not in kern._workspaces
+    monkeypatch.setattr(kernels.GemmKernel, "_capturing", lambda self: False)
+    launch.launch(11, 12, 7)  # back outside capture: a new spare is made for the next capture
+    assert kern._workspaces[7] is first and kern._spare_tickets is not None
+    assert rec.calls[-1][3][6:] == [first[0].data_ptr(), first[1].data_ptr()]
+    # above 64 rows: each call its own pair, the tickets zeroed for it; nothing is kept
+    kern.max_m = 1 << 16
+    big = kern.prepare(w, 80)
+    kept = dict(kern._workspaces)
+    for _ in range(2):
+        big.launch(11, 12, 7)
+        assert rec.calls[-1][3][1] == 80 and rec.calls[-1][1][0] == 10
+    assert kern._workspaces == kept
+    assert rec.calls[-1][3][7] not in (first[1].data_ptr(), spare.data_ptr())
 
 
 def test_fast_path_guards_fall_back_to_the_validated_path(fake_gpu) -> None:

@@ -59,7 +59,9 @@ def _fake_cuda(pkgs: list[str]) -> None:
         drv._untyped_launch = lambda: untyped
         if hasattr(drv, "stream_getter"):
             drv.stream_getter.cache_clear()
+        # runtimes before session 5: main + split-K reduce functions; since: one function
         kmod.GemmKernel._functions = lambda self, Fn=Fn: (Fn(self.name), Fn(self.name) if self.split_k > 1 else None)
+        kmod.GemmKernel._function = lambda self, Fn=Fn: Fn(self.name)
         kmod.GemmKernel._validate_weight = lambda self, w: None
         lmod.native_arch = lambda d: 90
         lmod.machine_fingerprint = lambda d: {}
@@ -73,7 +75,13 @@ def _stack(pkg: str, entry: dict[str, Any], w: Any) -> tuple[Any, Any, Any, Any]
     lib.table = types.SimpleNamespace(lookup=lambda key, m: lmod.Choice("kernel", entry["name"], m, ""))
     kern = kmod.GemmKernel(entry, Path("/x"), max_m=1 << 16, device=dev)
     lib._kernels[entry["name"]] = kern
-    kern._workspaces[7] = torch.empty(kern.split_k * 64 * kern.n_pad)
+    ws = torch.empty(kern.split_k * 64 * kern.n_pad)
+    # the stream's split-K scratch: partials (runtimes before session 5), or (partials, tickets)
+    if hasattr(kern, "_tickets"):
+        kern._workspaces[7] = (ws, torch.zeros(64, dtype=torch.int32))
+        kern._spare_tickets = torch.zeros(64, dtype=torch.int32)  # nothing asks torch.cuda about capture
+    else:
+        kern._workspaces[7] = ws
     mod = linmod.QuantLinear(w, "p", library=lib, device="cpu")
     packed = mod.packed()
     kern._last_weight = tuple(weakref.ref(t) for t in (packed.weights, packed.scales, packed.col_scale))

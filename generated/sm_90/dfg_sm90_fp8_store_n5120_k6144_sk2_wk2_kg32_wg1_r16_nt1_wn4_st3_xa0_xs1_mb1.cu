@@ -32,17 +32,15 @@ struct Cfg {
 using Gemm = dflashgen::SkinnyGemm<Cfg>;
 }  // namespace
 
+// Split-K in one launch: `partial` holds this launch's FP32 partials [SPLIT_K][M][N_PAD]; per warp
+// tile the last of its SPLIT_K warps sums them in split order. `tickets`: one counter per (row
+// block, N tile, warp along N), zeroed by the runtime once; every launch leaves them at 0
+// (SkinnyGemm::split_k_last).
 extern "C" __global__ void __launch_bounds__(288)
 dfg_sm90_fp8_store_n5120_k6144_sk2_wk2_kg32_wg1_r16_nt1_wn4_st3_xa0_xs1_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
-    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial) {
+    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
+    unsigned int* __restrict__ tickets) {
   __shared__ Gemm::Smem smem;
-  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem);
-}
-
-
-extern "C" __global__ void __launch_bounds__(256)
-dfg_sm90_fp8_store_n5120_k6144_sk2_wk2_kg32_wg1_r16_nt1_wn4_st3_xa0_xs1_mb1_reduce(const float* __restrict__ partial, int M, const float* __restrict__ col_scale,
-    __half* __restrict__ out) {
-  Gemm::reduce(partial, M, col_scale, out);
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, tickets);
 }
 

@@ -145,8 +145,6 @@ struct Sm80Traits {
   // (gate) and e + 2 (up) of the same thread pair up.
   static constexpr int SILU_PAIR = 2;
   __device__ static bool acc_is_gate(int e) { return (e >> 1) == 0; }
-  __host__ __device__ static int gate_row(int j) { return 16 * (j / 8) + j % 8; }
-  __host__ __device__ static int up_row(int j) { return 16 * (j / 8) + 8 + j % 8; }
   __host__ __device__ static int gate_col(int tile, int wrow) { return 8 * tile + wrow % 8; }
 };
 
@@ -228,8 +226,6 @@ struct Sm70Traits {
   // (gate) and e + 2 (up) of the same thread pair up.
   static constexpr int SILU_PAIR = 2;
   __device__ static bool acc_is_gate(int e) { return ((e >> 1) & 1) == 0; }
-  __host__ __device__ static int gate_row(int j) { return 8 * (j / 4) + (j & 1) + 4 * ((j & 3) >> 1); }
-  __host__ __device__ static int up_row(int j) { return gate_row(j) + 2; }
   __host__ __device__ static int gate_col(int tile, int wrow) {
     const int r = wrow % 8;
     return 16 * tile + 4 * (wrow / 8) + (r & 1) + 2 * (r >> 2);

@@ -6,8 +6,10 @@
 // Batch invariance: the K range is cut into G = K / KG groups and dealt to W = SPLIT_K * WARPS_K
 // workers in fixed contiguous ranges; each worker accumulates its groups in ascending order; the
 // WARPS_K workers of a CTA are summed in warp order through shared memory and the SPLIT_K CTA
-// partials in split order by the reduce kernel. None of that depends on M, ROWS, WARP_NT or
-// WARPS_N, so a row's result is bitwise the same whatever batch it came in. No atomics.
+// partials in split order, in the same launch, by the last of the SPLIT_K CTAs to finish them
+// (split_k_last). None of that depends on M, ROWS, WARP_NT or WARPS_N, so a row's result is
+// bitwise the same whatever batch it came in. The one atomic (split-K) only elects who sums; it
+// never adds data.
 #pragma once
 
 #include "mma_traits.cuh"
@@ -93,7 +95,8 @@ struct SkinnyGemm {
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
-                             __half* __restrict__ out, float* __restrict__ partial, Smem& smem) {
+                             __half* __restrict__ out, float* __restrict__ partial, Smem& smem,
+                             unsigned int* __restrict__ tickets = nullptr) {
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WG) {
       if (threadIdx.x >= 32 * Cfg::WARPS_N * Cfg::WARPS_K) {  // the activation producer warp
@@ -263,6 +266,58 @@ struct SkinnyGemm {
     }
     if (!active) return;
 
+    if constexpr (Cfg::SPLIT_K > 1) {
+      // Every CTA writes its FP32 partials; per warp tile, the last of the SPLIT_K warps holding
+      // the same outputs (one per CTA of the tile) sums them in split order z = 0..SPLIT_K-1 from
+      // 0.0f -- its own read back as well (the bits it stored) -- and runs the epilogue on the sums:
+      // the additions and their order of the former separate reduce kernel.
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT8; ++j)
+#pragma unroll
+          for (int e = 0; e < T::NACC; ++e) {
+            const int m = m0 + 8 * j + T::acc_mrow(e);
+            if (m >= M) continue;
+            const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+            partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+          }
+      if (!split_k_last(tickets, wn, lane)) return;
+      // Opaque copies: without them the compiler hoisted the per-element addresses out of the
+      // split loop below (r64 wgmma tiles: ~60 more registers).
+      int t0 = tile0, r0 = m0;
+      asm volatile("" : "+r"(t0), "+r"(r0));
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT8; ++j)
+#pragma unroll
+          for (int e = 0; e < T::NACC; ++e) acc[i][j][e] = 0.0f;
+      // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
+      // tiles took up to 24 more registers).
+#pragma unroll 1
+      for (int z = 0; z < Cfg::SPLIT_K; ++z) {
+        const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+          for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int e = 0; e < T::NACC; ++e) {
+              const int m = r0 + 8 * j + T::acc_mrow(e);
+              const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+              if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
+            }
+      }
+      epilogue(acc, t0, r0, M, col_scale, out);
+    } else {
+      epilogue(acc, tile0, m0, M, col_scale, out);
+    }
+  }
+
+  // Column scale (and SiLU(gate) * up for the fused variant) of the CTA's final FP32 sums, FP16 out.
+  __device__ static void epilogue(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int tile0, int m0, int M,
+                                  const float* __restrict__ col_scale, __half* __restrict__ out) {
 #pragma unroll
     for (int i = 0; i < Cfg::WARP_NT; ++i) {
       const int tile = tile0 + i;
@@ -274,9 +329,7 @@ struct SkinnyGemm {
           if (m >= M) continue;
           const int wrow = T::acc_wrow(e);
           const int lrow = tile * T::TILE_ROWS + wrow;  // layout row
-          if constexpr (Cfg::SPLIT_K > 1) {
-            partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
-          } else if constexpr (SILU) {
+          if constexpr (SILU) {
             if (!T::acc_is_gate(e)) continue;
             const int jc = T::gate_col(tile, wrow);
             if (jc >= N_OUT) continue;
@@ -289,6 +342,31 @@ struct SkinnyGemm {
           }
         }
     }
+  }
+
+  // Split-K: whether this warp is the last of the SPLIT_K warps that hold the same outputs (warp
+  // tile wn of row block blockIdx.x and N tile blockIdx.y, one warp per CTA along z) to have
+  // stored its partials, i.e. the one that sums them. Lane 0 takes a ticket from the warp tile's
+  // counter with atomicInc(counter, SPLIT_K - 1): tickets 0..S-2 count up, the last one (S - 1)
+  // wraps the counter back to 0. So every launch leaves every counter at 0: the runtime zeroes
+  // them once, when it allocates them, and the next launch on the stream or the next replay of a
+  // CUDA graph that captured this launch starts from 0 without a memset. Launches on one stream
+  // run one after another; two streams get two workspaces (runtime/kernels.py), so no counter is
+  // shared by launches in flight together. The ticket decides who sums, never how.
+  // Per warp rather than per CTA: a CTA-wide ticket needs CTA barriers after the main loop, which
+  // made ptxas spill the 64-register split-K tiles (FP8 r16) in the main loop; warps need none.
+  // Fences: each lane's partial stores are visible GPU-wide before its warp takes a ticket, and
+  // the last warp fences again before reading the others' partials (through L2, __ldcg: other SMs
+  // wrote them).
+  __device__ static bool split_k_last(unsigned int* __restrict__ tickets, int wn, int lane) {
+    __threadfence();
+    __syncwarp();
+    unsigned int t = 0;
+    if (lane == 0)
+      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, Cfg::SPLIT_K - 1);
+    const bool last = __shfl_sync(0xffffffffu, t, 0) == Cfg::SPLIT_K - 1;
+    if (last) __threadfence();
+    return last;
   }
 
   // The X_SMEM main loop (see Smem): the same groups, k-steps and per-accumulator MMA order as the
@@ -544,31 +622,6 @@ struct SkinnyGemm {
     });
   }
 #endif  // DFLASHGEN_WGMMA
-
-  // Split-K combine: partials summed in split order, then the epilogue. One thread per output.
-  __device__ static void reduce(const float* __restrict__ partial, int M, const float* __restrict__ col_scale,
-                                __half* __restrict__ out) {
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= M * N_OUT) return;
-    const int m = idx / N_OUT, n = idx % N_OUT;
-    const size_t split_stride = static_cast<size_t>(M) * Cfg::N_PAD;
-    const float* base = partial + static_cast<size_t>(m) * Cfg::N_PAD;
-    if constexpr (SILU) {
-      const int rg = T::gate_row(n), ru = T::up_row(n);
-      float g = 0.0f, u = 0.0f;
-#pragma unroll 1
-      for (int s = 0; s < Cfg::SPLIT_K; ++s) {
-        g += base[s * split_stride + rg];
-        u += base[s * split_stride + ru];
-      }
-      out[idx] = __float2half_rn(silu(g * col_scale[n]) * (u * col_scale[N_OUT + n]));
-    } else {
-      float v = 0.0f;
-#pragma unroll 1
-      for (int s = 0; s < Cfg::SPLIT_K; ++s) v += base[s * split_stride + n];
-      out[idx] = __float2half_rn(v * col_scale[n]);
-    }
-  }
 };
 
 }  // namespace dflashgen
