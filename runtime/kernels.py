@@ -220,8 +220,8 @@ class GemmKernel:
 class GemmLaunch:
     """One GemmKernel launch with every argument in persistent ctypes storage. ``bind`` writes the
     weight's pointers, M and the grid; ``launch`` writes x, out, the stream and its split-K
-    workspace, and launches. A split-K kernel reduces its partials itself (the last CTA of each
-    output tile sums them in split order), so every call is one launch. A launch bound once and
+    workspace, and launches. A split-K kernel reduces its partials itself (the last warp to
+    finish each warp tile sums them in split order), so every call is one launch. A launch bound once and
     kept (``GemmKernel.prepare``; QuantLinear keeps one per input shape) costs two pointer writes
     per call. Fill and launch under ``lock``: threads sharing a launch would otherwise interleave
     their pointers (a thread switch can come between the writes and the driver call)."""
@@ -253,7 +253,7 @@ class GemmLaunch:
         if self._split and m > 64:
             self._stream = -1  # above 64 rows each call gets its own workspace
         self.m = m
-        self._x_bytes, self._y_bytes = 2 * m * kern.k, 2 * m * kern.n_out  # FP16 x [M, K], y [M, N_out]
+        self._x_bytes, self._y_bytes = 2 * m * self.kern.k, 2 * m * self.kern.n_out  # FP16 x [M, K], y [M, N_out]
 
     def launch(self, x_ptr: int, out_ptr: int, stream: int) -> None:
         """Launch on ``stream`` (torch's current stream) for x and out at these addresses (caller
