@@ -202,13 +202,9 @@ def test_prune_keeps_the_cost_model_leader() -> None:
 
 # Measured tables committed before a kernel-library change whose re-tune on that GPU is pending:
 # the runtime refuses them until then (KernelLibrary: an error, or the fallback with
-# on_mismatch="fallback"). nvidia-h200.json predates two session-5 library changes: the wider x_smem
-# tiles (35 new sm_90 kernels: rows 16 and warp_nt 2 x_smem tiles for gate_up n34816/k5120 NVFP4
-# and FP8, silu and store, and the TP4 o_proj n5120/k1536 NVFP4) and split-K in one launch (every
-# split-K kernel, `_sk2_` / `_sk3_` / `_sk4_`, sums its partials in its last warp per output tile
-# instead of a `_reduce` launch, and takes a ticket-counter argument). Remove the name once
-# `dflashgen tune` on that GPU has re-made and committed the table.
-PENDING_RETUNE: set[str] = {"nvidia-h200.json"}
+# on_mismatch="fallback"). Add a table's name here with the change that made it stale; remove it
+# once `dflashgen tune` on that GPU has re-made and committed the table.
+PENDING_RETUNE: set[str] = set()
 
 
 def test_committed_measured_tables_match_the_kernel_library() -> None:
