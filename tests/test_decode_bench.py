@@ -223,8 +223,7 @@ def test_tp_flag_relaunches(tmp_path: Path, tp_tiny: tuple[Path, dict[str, Any]]
 def test_join_group_policy() -> None:
     from dflashgen.runtime.decode_bench import BenchConfig
 
-    auto = BenchConfig()
-    assert [auto.join_group_for(b) for b in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    assert [BenchConfig().join_group_for(b) for b in (1, 2, 4, 8)] == [1, 1, 1, 1]
     assert [BenchConfig(join_group=3).join_group_for(b) for b in (1, 2, 4, 8)] == [1, 2, 3, 3]
     with pytest.raises(ValueError, match="join_group must be an integer >= 1"):
         BenchConfig(join_group=0).validate()
