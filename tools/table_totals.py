@@ -38,7 +38,8 @@ def main() -> None:
     for t in forward_totals(results, targets, arch, ms, a.tflops):
         frac = t["roofline_ms"] / t["dispatched_ms"]
         print(f"| {t['tp']} | {t['deployment']} | {t['m']} | {t['dispatched_ms']:.2f} | "
-              f"{t.get('cublas_fp16_ms', 0):.2f} | {t.get('cublas_fp8_ms', 0):.2f} | {t['roofline_ms']:.2f} | {frac:.0%} |"
+              f"{t.get('cublas_fp16_ms', 0):.2f} | {t.get('cublas_fp8_ms', 0):.2f} | "
+              f"{t['roofline_ms']:.2f} | {frac:.0%} |"
               + (f" {t['mma_floor_ms']:.2f} | {t['floor_fraction']:.0%} |" if a.tflops else ""))
 
 
