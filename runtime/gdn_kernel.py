@@ -216,22 +216,23 @@ _KERNELS: dict[tuple[int, int, int], _Kernels] = {}
 _PREFILL: dict[tuple[int, int, int], _Prefill] = {}
 
 
-def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, int]:
+def _cached(cache: dict[tuple[int, int, int], Any], cls: Any, dev: torch.device, dk: int,
+            arch: int | None) -> tuple[Any, int]:
+    """The family's kernel object for (key dim, serving arch, device), made once per process."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     a = kernel_arch(dev, arch)
     key = (dk, a, idx)
-    if key not in _KERNELS:
-        _KERNELS[key] = _Kernels(dk, a, idx)
-    return _KERNELS[key], idx
+    if key not in cache:
+        cache[key] = cls(dk, a, idx)
+    return cache[key], idx
+
+
+def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, int]:
+    return _cached(_KERNELS, _Kernels, dev, dk, arch)
 
 
 def _prefill_kernel(dev: torch.device, dk: int, arch: int | None) -> tuple[_Prefill, int]:
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    a = kernel_arch(dev, arch)
-    key = (dk, a, idx)
-    if key not in _PREFILL:
-        _PREFILL[key] = _Prefill(dk, a, idx)
-    return _PREFILL[key], idx
+    return _cached(_PREFILL, _Prefill, dev, dk, arch)
 
 
 def prefill_available(device: torch.device | str, dk: int, arch: int | None = None) -> bool:

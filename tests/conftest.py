@@ -30,6 +30,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def spy_on_prefill(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Replace the target's ``gdn_prefill`` by a pass-through that records each call's T (the
+    GDN layers a forward sends through the sequential prefill kernel); returns that list."""
+    from dflashgen.runtime import target as target_mod
+
+    calls: list[int] = []
+    real = target_mod.gdn_prefill
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target_mod, "gdn_prefill", spy)
+    return calls
+
+
 @contextlib.contextmanager
 def single_thread() -> Iterator[None]:
     """Tiny GEMMs: one thread avoids multi-thread stalls on a shared 2-core box (and is deterministic)."""

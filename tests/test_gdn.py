@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import single_thread, tiny_fp32_target
+from conftest import single_thread, spy_on_prefill, tiny_fp32_target
 from dflashgen.runtime import target as target_mod
 from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.gdn_kernel import (
@@ -268,14 +268,7 @@ def test_sequential_prefill_matches_the_chunk_form(model: TargetModel, monkeypat
     n = torch.tensor([40, 23, 17])
     chunk = model.new_state(3, 48)
     ref = model(toks, chunk, num_new=n)
-    calls: list[int] = []
-    real = target_mod.gdn_prefill
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[1].shape[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target_mod, "gdn_prefill", spy)
+    calls = spy_on_prefill(monkeypatch)
     monkeypatch.setattr(target_mod, "_sequential_prefill", lambda device, dk: True)
     seq = model.new_state(3, 48)
     got = model(toks, seq, num_new=n)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spy_on_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -222,18 +223,10 @@ def test_prefill_is_bitwise_one_token_steps(target, monkeypatch: pytest.MonkeyPa
     request, exactly the GDN state (recurrent and conv) of its n[b] one-token forwards in every GDN
     layer before the first attention layer (batch-invariant projections: nothing else differs there);
     the chunk form (DFLASHGEN_GDN_PREFILL=chunk) stays within FP32 / FP16 rounding of it."""
-    from dflashgen.runtime import target as target_mod
 
     from dflashgen.model import FULL
 
-    calls: list[int] = []
-    real = target_mod.gdn_prefill
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[1].shape[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target_mod, "gdn_prefill", spy)
+    calls = spy_on_prefill(monkeypatch)
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(5)
     b, t = 3, 40
