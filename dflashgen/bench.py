@@ -40,6 +40,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     images, by_key = native_kernels(arch)
     bw = read_bandwidth(device)
     results: dict[str, Any] = {}
+    failed: dict[str, str] = {}  # problem -> the error that stopped its measurement
     t0 = time.time()
     targets = load_targets(targets_path)
     for p in tqdm([p for p in problems_for(targets, arch) if not only or only in p.key], desc="bench", unit="problem"):
@@ -47,11 +48,15 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
         if table is not None:
             chosen = {b.get("kernel") for b in table.problems().get(p.key, {}).get("buckets", [])}
             entries = [e for e in entries if e["name"] in chosen] or entries[:1]
-        results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89)
+        try:
+            results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89)
+        except Exception as e:  # one problem's failure is reported with the rest, not a lost report
+            failed[p.key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         torch.cuda.empty_cache()
     tflops = tensor_tflops(device)  # after the kernels: its 384 MB of operands are gone before they run
     report = {"fingerprint": fp, "read_gbs": bw, "tensor_tflops": tflops, "ms": list(ms),
               "seconds": time.time() - t0, "table": str(table.source) if table else None, "problems": results,
+              "failed": failed,
               "forward_totals": forward_totals(results, targets, arch, ms, tflops)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1, sort_keys=True))
@@ -122,6 +127,8 @@ def markdown(report: dict[str, Any]) -> str:
              "GB/s over measured read bandwidth."
              + (" MMA floor = 2 M N K at the measured tensor rate; floor = per projection the larger of the read "
                 "and MMA floors, and floor fraction = floor / dispatched." if floors else ""),
+             *(["", f"**INCOMPLETE**: {len(report['failed'])} problem(s) failed to measure (listed at the end); "
+                "the forward totals leave them out."] if report.get("failed") else []),
              "", "## One 64-layer forward (sum of count x time over the projection mix)", "",
              "| TP | deployment | M | dflashgen ms | dispatched ms | cuBLAS FP16 ms | cuBLAS FP8 ms | roofline ms "
              "| roofline fraction |" + (" MMA floor ms | floor fraction |" if floors else ""),
@@ -146,6 +153,8 @@ def markdown(report: dict[str, Any]) -> str:
             serves = ", ".join(s.split("/", 1)[1] for s in r["serves"][:3])
             lines.append(f"| {key} | {serves} | {b['m']} | {ours:.2f} | {gbs:.0f} | {gbs / r['read_gbs']:.0%} | "
                          f"{vs16} | {vs8} | {b['path']} |")
+    if report.get("failed"):
+        lines += ["", "## Failed problems", "", *(f"- `{k}`: {v}" for k, v in sorted(report["failed"].items()))]
     return "\n".join(lines) + "\n"
 
 

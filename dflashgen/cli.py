@@ -95,6 +95,10 @@ def _bench(args: argparse.Namespace) -> int:
               ms=ms, race_all=args.race_all, only=args.only)
     print((Path(args.out) / "bench.md").read_text().split("## Per projection")[0])
     print(f"wrote {args.out}/bench.json, bench.md, bench.png ({rep['seconds']:.0f} s)")
+    if rep["failed"]:
+        names = ", ".join(sorted(rep["failed"]))
+        print(f"dflashgen bench: {len(rep['failed'])} problem(s) failed to measure: {names}")
+        return 1
     return 0
 
 

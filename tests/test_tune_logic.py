@@ -257,3 +257,15 @@ def test_bench_forward_floors() -> None:
     assert "800 TFLOP/s" in md and "| MMA floor ms | floor fraction |" in md
     assert "MMA floor" not in markdown({**report, "tensor_tflops": None,
                                         "forward_totals": forward_totals(results, [t], 90, (8, 64))})
+
+
+def test_bench_report_names_failed_problems() -> None:
+    """A problem whose measurement raised is listed, and the totals are marked incomplete."""
+    from dflashgen.bench import markdown
+
+    report = {"fingerprint": {"gpu": "G", "arch": 90, "sms": 132}, "read_gbs": 4000.0, "forward_totals": [],
+              "problems": {}, "failed": {"sm90/fp8_channel/store/n3584/k5120": "AcceleratorError: capture"}}
+    md = markdown(report)
+    assert "**INCOMPLETE**: 1 problem(s) failed" in md
+    assert "## Failed problems" in md and "- `sm90/fp8_channel/store/n3584/k5120`: AcceleratorError: capture" in md
+    assert "INCOMPLETE" not in markdown({**report, "failed": {}})
