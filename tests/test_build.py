@@ -135,3 +135,32 @@ def test_only_pattern_matching_nothing_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--only 'no-such-kernel' matches no kernel for sm_70"):
         build([70], only="no-such-kernel", build_dir=tmp_path)
     assert not (tmp_path / "sm_70").exists()  # nothing half-written
+
+
+def test_carry_build_keeps_the_record_and_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/carry_build.py trims a build folder to the record and the files it lists for current
+    kernels (losing the record once left the H200 unable to load any sm_70 PTX)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("carry_build", Path(__file__).parent.parent / "tools/carry_build.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    b = tmp_path / "build"
+    for d in ("sm_70/aa", "sm_70/old", "sm_90/x", "src"):
+        (b / d).mkdir(parents=True)
+    for f in ("sm_70/aa/k.ptx", "sm_70/aa/k.cubin", "sm_70/aa/k.ptxas.txt", "sm_70/aa/junk", "sm_70/old/o.ptx",
+              "sm_90/x/y.cubin", "src/k.cu"):
+        (b / f).write_text("x")
+    k = {"source_sha256": "s1", "ptx": "sm_70/aa/k.ptx", "cubin": "sm_70/aa/k.cubin", "log": "sm_70/aa/k.ptxas.txt"}
+    gone = {"source_sha256": "s0", "ptx": "sm_70/old/o.ptx", "cubin": "sm_70/old/o.ptx", "log": "sm_70/old/o.ptx"}
+    rec = {"toolchain": "t", "kernels": {"k": k, "gone": gone}}
+    (b / "sm_70/record.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(mod, "_entries", lambda arch: [{"name": "k", "source_sha256": "s1"}])
+    mod.main(str(tmp_path))
+    left = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    assert left == ["sm_70/aa/k.cubin", "sm_70/aa/k.ptx", "sm_70/aa/k.ptxas.txt", "sm_70/record.json"]
+    assert set(json.loads((b / "sm_70/record.json").read_text())["kernels"]) == {"k"}
+    monkeypatch.setattr(mod, "_entries", lambda arch: [{"name": "k", "source_sha256": "s2"}])
+    with pytest.raises(SystemExit, match="missing or stale"):
+        mod.main(str(tmp_path))
