@@ -5,3 +5,20 @@ export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296
 if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
   export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
 fi
+
+# The ncu sections every GEMM profile reads, and `ncu_gemms DIR "name_regex@M ..."`: one
+# tools/ncu_kernel.py run per kernel into DIR/ncu-<name>-m<M>.txt, with its headline figures printed.
+NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
+     --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
+     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
+ncu_gemms() {
+  local dir=$1 km name m
+  for km in $2; do
+    name=${km%@*} m=${km#*@}
+    echo "== ncu $name M=$m"
+    timeout 90 $NCU -k "regex:$name" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$name" "$m" \
+      --sass > "$dir/ncu-$name-m$m.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache|Issue Slots|hmma|Registers Per|Achieved Occ" \
+      "$dir/ncu-$name-m$m.txt" | head -12
+  done
+}

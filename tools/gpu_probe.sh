@@ -16,17 +16,7 @@ timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} 2>&1 
 echo "== prefill profile, GDN in the old chunk form (before / after)"
 timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} --gdn chunk 2>&1 \
   | tee "$R/profile-prefill-chunk.txt" | head -30
-NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
-     --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
-     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
-for km in ${KERNELS:-}; do
-  set -- ${km%@*} ${km#*@}
-  echo "== ncu $1 M=$2"
-  timeout 90 $NCU -k "regex:$1" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$1" "$2" --sass \
-    > "$R/ncu-$1-m$2.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache|Issue Slots|hmma|Registers Per|Achieved Occ" \
-    "$R/ncu-$1-m$2.txt" | head -12
-done
+ncu_gemms "$R" "${KERNELS:-}"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   echo "== two-GPU tests"
   timeout 300 python3 -m pytest -q -m gpu tests/test_parallel.py 2>&1 | tee "$R/pytest-tp2.log" | tail -5

@@ -9,20 +9,12 @@ source "$(dirname "$0")/gpu_env.sh"
 trap 'tar czf "$OUT/profile.tgz" -C "$R" .' EXIT
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
 dflashgen build --arch 90 -j 16 -q 2>&1 | tail -30
-NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
-     --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
-     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
 # KERNELS: "name_regex@M ..." (the GEMM kernels to profile and their batch rows)
-for km in ${KERNELS:-nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8 \
+ncu_gemms "$R" "${KERNELS:-nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8 \
   nvfp4_store_n5120_k17408_sk1_wk8_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8 \
   fp8_silu_n34816_k5120_sk1_wk2_kg32_r8_nt2_wn2_st3_xa1_xs0_mb1@8 \
   nvfp4_store_n34816_k5120_sk1_wk2_kg64_r64_nt1_wn2_st3_xa0_xs0_mb1@64 \
-  nvfp4_store_n5120_k6144_sk1_wk8_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8}; do
-  set -- ${km%@*} ${km#*@}
-  echo "== ncu $1 M=$2"
-  timeout 90 $NCU -k "regex:$1" --launch-skip 2 --launch-count 1 python3 tools/ncu_kernel.py "$1" "$2" --sass \
-    > "$R/ncu-$1-m$2.txt" 2>&1; tail -5 "$R/ncu-$1-m$2.txt"
-done
+  nvfp4_store_n5120_k6144_sk1_wk8_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8}"
 # The main kernels ("$" keeps `_merge` out): the served default and its D-split twin (same bits).
 # ATTN=0 skips the attention kernels; BATCHES picks the decode profile's batch sizes.
 [ "${ATTN:-1}" = 1 ] && for k in ${ATTN_KERNELS:-dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_sp512 \
