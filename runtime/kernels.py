@@ -53,10 +53,10 @@ class GemmKernel:
         self._last_weight: tuple[weakref.ref[torch.Tensor] | None, ...] | None = None
         # what x.get_device() reports for a tensor on the kernel's device (-1: CPU, for fakes in tests)
         self._dev_index: int = self.device.index if self.device.type == "cuda" else -1
-        # split-K scratch per stream: (FP32 partials, int32 tickets), and one set of zeroed tickets
-        # kept ahead for a stream first seen under CUDA graph capture (see _workspace)
+        # split-K scratch per stream: (FP32 partials, int32 tickets), and one such pair (tickets
+        # zeroed) made ahead, outside capture, for a stream first seen under CUDA graph capture
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._spare_tickets: torch.Tensor | None = None
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
         self._generic: GemmLaunch | None = None  # the launch __call__ rebinds to each call's weight
 
     def _function(self) -> Function:
@@ -167,25 +167,31 @@ class GemmKernel:
             ws = (torch.empty((self.split_k * m * self.n_pad,), dtype=torch.float32, device=self.device),
                   self._tickets(m))
         elif (ws := self._workspaces.get(stream)) is None:
-            rows = min(self.max_m, 64)
             if not self._capturing():
-                tickets = self._tickets(rows)
-            elif self._spare_tickets is not None:
-                # A memset captured here would zero the counters only when this graph replays, not
-                # before an eager launch or another graph captured on this stream: take counters
-                # zeroed eagerly (the spare below, made by an earlier launch outside capture;
-                # torch.cuda.graph synchronizes the device before capturing).
-                tickets, self._spare_tickets = self._spare_tickets, None
+                ws = self._pair()
+            elif self._spare is not None:
+                # Nothing is allocated under capture: a memset captured here would zero the counters
+                # only when this graph replays (not before an eager launch or another graph captured
+                # on this stream), and a buffer from the graph's private pool would outlive the graph
+                # here, so freeing it later (this kernel is collected whenever the GC runs: it and its
+                # launch reference each other) could release that pool, a cudaFree, during another
+                # capture. The spare was made by an earlier launch outside capture (torch.cuda.graph
+                # synchronizes the device before capturing, so its counters are zero).
+                ws, self._spare = self._spare, None
             else:
                 raise RuntimeError(f"{self.name}: first split-K launch on a stream inside CUDA graph capture, "
                                    "and no zeroed ticket counters at hand: launch the kernel once outside "
                                    "capture first (a warm-up)")
-            ws = (torch.empty((self.split_k * rows * self.n_pad,), dtype=torch.float32, device=self.device),
-                  tickets)
             self._workspaces[stream] = ws
-        if self._spare_tickets is None and not self._capturing():
-            self._spare_tickets = self._tickets(min(self.max_m, 64))
+        if self._spare is None and not self._capturing():
+            self._spare = self._pair()
         return ws
+
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A workspace for launches of up to min(max M, 64) rows: FP32 partials and zeroed tickets."""
+        rows = min(self.max_m, 64)
+        return (torch.empty((self.split_k * rows * self.n_pad,), dtype=torch.float32, device=self.device),
+                self._tickets(rows))
 
     def prepare(self, w: PackedWeight, m: int) -> GemmLaunch:
         """A launch bound to weight ``w`` and M rows, validated here once: calling it with a

@@ -253,7 +253,7 @@ def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
     # the stream's workspace: partials for 64 rows, a zeroed ticket counter per (row block, N tile, warp)
     assert partials.dtype == torch.float32 and partials.numel() == kern.split_k * 64 * kern.n_pad
     assert tickets.dtype == torch.int32 and tickets.numel() == 64 // kern.rows * kern._grid_y * kern.warps_n
-    assert not tickets.any() and kern._spare_tickets is not None and not kern._spare_tickets.any()
+    assert not tickets.any() and kern._spare is not None and not kern._spare[1].any()
     x2 = _x(8, k, seed=5)  # a second call writes only the new x and out
     y2 = mod(x2)
     assert rec.calls[1][3][0] == x2.data_ptr() and rec.calls[1][3][5] == y2.data_ptr()
@@ -263,8 +263,9 @@ def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
 
 def test_split_k_workspaces_per_stream_per_call_and_under_capture(fake_gpu, monkeypatch) -> None:
     """Split-K scratch: one (partials, tickets) pair per stream up to 64 rows, a fresh zeroed pair per
-    call above; a stream first seen under CUDA graph capture gets tickets zeroed outside the capture
-    (the spare), and without one the launch is refused with a clear error."""
+    call above; a stream first seen under CUDA graph capture gets a whole pair made outside the
+    capture (the spare: nothing is allocated under capture), and without one the launch is refused
+    with a clear error."""
     from dflashgen.runtime import kernels
 
     make, rec = fake_gpu
@@ -277,20 +278,20 @@ def test_split_k_workspaces_per_stream_per_call_and_under_capture(fake_gpu, monk
     first = kern._workspaces[7]
     assert rec.calls[-1][3] == [11, 8, *rec.calls[-1][3][2:5], 12, first[0].data_ptr(), first[1].data_ptr()]
     monkeypatch.setattr(kernels.GemmKernel, "_capturing", lambda self: True)  # from here on: "capturing"
-    spare = kern._spare_tickets
-    assert spare is not None and spare is not first[1]
-    launch.launch(11, 12, 8)  # a new stream under capture takes the spare (zeroed eagerly)
-    assert kern._workspaces[8][1] is spare and kern._spare_tickets is None  # and none is made now
-    assert rec.calls[-1][3][6:] == [kern._workspaces[8][0].data_ptr(), spare.data_ptr()]
+    spare = kern._spare
+    assert spare is not None and spare[0] is not first[0] and spare[1] is not first[1]
+    launch.launch(11, 12, 8)  # a new stream under capture takes the spare pair (made eagerly)
+    assert kern._workspaces[8] is spare and kern._spare is None  # and none is made now
+    assert rec.calls[-1][3][6:] == [spare[0].data_ptr(), spare[1].data_ptr()]
     kern.prepare(w, 16).launch(11, 12, 8)  # same stream, another launch: the same workspace
-    assert rec.calls[-1][3][6:] == [kern._workspaces[8][0].data_ptr(), spare.data_ptr()]
+    assert rec.calls[-1][3][6:] == [spare[0].data_ptr(), spare[1].data_ptr()]
     n_calls = len(rec.calls)
     with pytest.raises(RuntimeError, match="inside CUDA graph capture.*launch the kernel once outside capture"):
         launch.launch(11, 12, 9)  # stream 9, still capturing, no spare left
     assert len(rec.calls) == n_calls and 9 not in kern._workspaces
     monkeypatch.setattr(kernels.GemmKernel, "_capturing", lambda self: False)
     launch.launch(11, 12, 7)  # back outside capture: a new spare is made for the next capture
-    assert kern._workspaces[7] is first and kern._spare_tickets is not None
+    assert kern._workspaces[7] is first and kern._spare is not None
     assert rec.calls[-1][3][6:] == [first[0].data_ptr(), first[1].data_ptr()]
     # above 64 rows: each call its own pair, the tickets zeroed for it; nothing is kept
     kern.max_m = 1 << 16
@@ -300,7 +301,7 @@ def test_split_k_workspaces_per_stream_per_call_and_under_capture(fake_gpu, monk
         big.launch(11, 12, 7)
         assert rec.calls[-1][3][1] == 80 and rec.calls[-1][1][0] == 10
     assert kern._workspaces == kept
-    assert rec.calls[-1][3][7] not in (first[1].data_ptr(), spare.data_ptr())
+    assert rec.calls[-1][3][7] not in (first[1].data_ptr(), spare[1].data_ptr())
 
 
 def test_fast_path_guards_fall_back_to_the_validated_path(fake_gpu) -> None:

@@ -79,7 +79,9 @@ def _stack(pkg: str, entry: dict[str, Any], w: Any) -> tuple[Any, Any, Any, Any]
     # the stream's split-K scratch: partials (runtimes before session 5), or (partials, tickets)
     if hasattr(kern, "_tickets"):
         kern._workspaces[7] = (ws, torch.zeros(64, dtype=torch.int32))
-        kern._spare_tickets = torch.zeros(64, dtype=torch.int32)  # nothing asks torch.cuda about capture
+        # spares made, so nothing asks torch.cuda about capture (`_spare`: now; `_spare_tickets`: session 5)
+        kern._spare = (ws, torch.zeros(64, dtype=torch.int32))
+        kern._spare_tickets = kern._spare[1]
     else:
         kern._workspaces[7] = ws
     mod = linmod.QuantLinear(w, "p", library=lib, device="cpu")
