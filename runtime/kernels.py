@@ -216,7 +216,10 @@ class GemmKernel:
             out = x.new_empty((m, self.n_out))
         g = self._generic
         if g is None:
-            g = self._generic = GemmLaunch(self)
+            # a weak back-reference: no kernel <-> launch cycle, so a kernel (and the split-K
+            # workspaces it holds) is freed when its last user lets go, not whenever the cyclic GC
+            # runs (possibly inside another stream's CUDA graph capture, where a free is an error)
+            g = self._generic = GemmLaunch(weakref.proxy(self))
         with g.lock:
             g.bind(w, m)
             g.launch(x.data_ptr(), out.data_ptr(), g.get_stream(self._dev_index))

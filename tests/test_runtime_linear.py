@@ -497,3 +497,30 @@ def test_out_argument_on_the_fallback_path() -> None:
     assert torch.equal(out, mod(x))
     with pytest.raises(ValueError, match=r"out must be torch.float16 \(5, 192\)"):
         mod(x, out=torch.empty(5, N - 1, dtype=torch.float16))
+
+
+def test_kernel_is_freed_by_refcount_after_a_generic_call(fake_gpu) -> None:
+    """GemmKernel.__call__ keeps a launch that points back at its kernel only weakly: no reference
+    cycle, so a kernel and its split-K workspaces die when the last user lets go (never later, in
+    whatever CUDA graph capture the cyclic GC happens to run, where freeing memory is an error)."""
+    import gc
+    import weakref
+
+    make, _ = fake_gpu
+    n, k = 24, 5120
+    lib = make("nvfp4", n, k, split_k=2)
+    name = next(name for name in lib.entries() if name.startswith("fake_"))
+    kern = lib.kernel(name)
+    w = lib.pack(_weight("nvfp4", n, k))
+    x = _x(8, k)
+    kern.validate = lambda x, w, out=None: x.shape[0]  # the fake GPU's CPU tensors pass the checks
+    kern(x, w, torch.empty(8, n, dtype=torch.float16))
+    assert kern._generic is not None and kern._workspaces
+    ref = weakref.ref(kern)
+    gc.disable()
+    try:
+        del kern
+        lib._kernels.clear()
+        assert ref() is None, "the kernel is kept alive by a reference cycle"
+    finally:
+        gc.enable()
