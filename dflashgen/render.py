@@ -58,7 +58,7 @@ def render_kernel(spec: KernelSpec) -> str:
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
         epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,
-        min_blocks=_min_blocks_arg(spec),
+        min_blocks=_min_blocks_arg(spec), smem_dynamic=spec.smem_dynamic, smem_bytes=spec.smem_bytes(),
     )
 
 

@@ -152,6 +152,11 @@ class KernelSpec:
         max(stages, 3), so the copies run two groups ahead also behind a 2-deep weight ring."""
         return self.tile.stages + 1 if self.kplan.wgmma else max(self.tile.stages, 3)
 
+    @property
+    def smem_dynamic(self) -> bool:
+        """Shared memory beyond the static 48 KB: declared dynamic, opted in at load, passed at launch."""
+        return self.smem_bytes() > load_space(self.arch).limits["smem_bytes"]
+
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
@@ -187,6 +192,8 @@ class KernelSpec:
             "kplan": kplan, "tile": asdict(self.tile), "threads": self.threads,
             "smem_bytes": self.smem_bytes(), "serves": list(self.serves),
         }
+        if self.smem_dynamic:
+            d["smem_dynamic"] = True
         if self.kplan.wgmma:
             d["target"] = self.target
         return d
@@ -356,8 +363,11 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
         return f"{spec.threads} threads > {space.limits['max_threads']}"
-    if spec.smem_bytes() > space.limits["smem_bytes"]:
-        return f"{spec.smem_bytes()} B shared memory > {space.limits['smem_bytes']}"
+    # an mma.sync x_smem ring may take dynamic shared memory up to the opt-in limit (dyn_smem_bytes)
+    dyn = t.x_smem and not spec.kplan.wgmma
+    smem_limit = max(space.limits["smem_bytes"], space.limits.get("dyn_smem_bytes", 0) if dyn else 0)
+    if spec.smem_bytes() > smem_limit:
+        return f"{spec.smem_bytes()} B shared memory > {smem_limit}"
     # __launch_bounds__(threads) caps registers at 64K / threads: a tile needing more spills
     budget = min(space.limits["reg_budget"], 65536 // spec.threads)
     if spec.reg_estimate() > budget:
@@ -453,8 +463,8 @@ def _fills_better(spec: KernelSpec) -> bool:
     where the cost model says it beats the same tile at the widest warps_n at M = rows."""
     space = load_space(spec.arch)
     widest = max(space.tiles["warps_n"])
-    if spec.tile.warps_n >= widest:
-        return True
+    if spec.tile.warps_n >= widest or spec.tile.x_smem:
+        return True  # x_smem shapes come from an explicit list: that list is their filter
     if spec.tile.rows > space.limits.get("narrow_max_rows", 64) or spec.tile.warp_nt > 1:
         return False  # large row tiles get their CTAs from row blocks; nt > 1 undoes the narrowing
     wide = replace(spec, tile=replace(spec.tile, warps_n=widest))

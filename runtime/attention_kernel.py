@@ -93,13 +93,11 @@ class _Launcher:
     """The two functions of one kernel on one device, loaded on first use."""
 
     def __init__(self, entry: dict[str, Any], device_index: int) -> None:
-        from .driver import check, cu
         from .images import load_module
 
         mod = load_module(entry, device_index)
         self.main, self.merge = mod.function(entry["name"]), mod.function(entry["name"] + "_merge")
-        attr = cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(cu().cuFuncSetAttribute(self.main.handle, attr, int(entry["smem"])), f"smem opt-in {entry['name']}")
+        self.main.allow_dynamic_smem(entry["smem"])
 
 
 _LAUNCHERS: dict[tuple[str, int], _Launcher] = {}

@@ -182,6 +182,11 @@ class Function:
         if err:
             check((cu().CUresult(err),), f"launching {self.name}")
 
+    def allow_dynamic_smem(self, nbytes: int) -> None:
+        """Opt in to ``nbytes`` of dynamic shared memory per CTA (needed above 48 KB)."""
+        attr = cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu().cuFuncSetAttribute(self.handle, attr, int(nbytes)), f"shared memory opt-in for {self.name}")
+
     def attribute(self, attr: str) -> int:
         a = getattr(cu().CUfunction_attribute, attr)
         return int(check(cu().cuFuncGetAttribute(a, self.handle), f"cuFuncGetAttribute {attr}"))

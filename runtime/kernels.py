@@ -42,6 +42,8 @@ class GemmKernel:
         self.warps_n: int = entry["tile"]["warps_n"]
         self.split_k: int = entry["kplan"]["split_k"]
         self.threads: int = entry["threads"]
+        # bytes of dynamic shared memory per CTA (x_smem rings above 48 KB), 0: static only
+        self.dynamic_smem: int = entry["smem_bytes"] if entry.get("smem_dynamic") else 0
         self.max_m = max_m
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
@@ -63,7 +65,10 @@ class GemmKernel:
         if self._fn is None:  # loaded on first launch, so validation needs no GPU
             ensure_context(self.device.index or 0)
             self.module = Module(self.image_path.read_bytes(), str(self.image_path))
-            self._fn = self.module.function(self.name)
+            fn = self.module.function(self.name)
+            if self.dynamic_smem:
+                fn.allow_dynamic_smem(self.dynamic_smem)
+            self._fn = fn
         return self._fn
 
     def validate(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None) -> int:
@@ -250,7 +255,8 @@ class GemmLaunch:
         self._stream = -1  # the stream the workspace pointers were written for
         # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets]
         params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5)]
-        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params))
+        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
+                                shared=kern.dynamic_smem)
 
     def bind(self, w: PackedWeight, m: int) -> None:
         """Point the launch at a validated weight and M rows (caller holds ``lock``)."""

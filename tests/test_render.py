@@ -149,3 +149,27 @@ def test_cli_reports_expected_errors_in_one_line(capsys: pytest.CaptureFixture[s
     monkeypatch.setenv("DFLASHGEN_DEBUG", "1")
     with pytest.raises(ValueError, match="matches no kernel"):
         main(["build", "--arch", "70", "--only", "no-such-kernel"])
+
+
+def test_x_smem_rings_above_48k_render_dynamic_shared_memory() -> None:
+    """A warps_k = 8 plan's 32-row x_smem ring (8 workers x 3 stages x 32 rows x 64 K x 2 B = 96 KB)
+    is dynamic shared memory, sized in the manifest and checked against the struct at compile time;
+    every static kernel renders its __shared__ struct as before; sm_80 and wgmma plans stay static."""
+    from dflashgen.render import load_manifest
+
+    cands = candidates(90, "nvfp4", 16480, 5120)
+    dyn = [c for c in cands if c.smem_dynamic]
+    assert [c.tile.rows for c in dyn] == [32] and dyn[0].kplan.warps_k == 8 and dyn[0].smem_bytes() == 98304
+    src = render_kernel(dyn[0])
+    assert "extern __shared__ uint4 dyn_smem[];" in src and "__shared__ Gemm::Smem smem;" not in src
+    assert "static_assert(sizeof(Gemm::Smem) <= 98304" in src
+    assert dyn[0].to_dict()["smem_dynamic"] is True
+    for c in cands:
+        if not c.smem_dynamic:
+            s = render_kernel(c)
+            assert "__shared__ Gemm::Smem smem;" in s and "dyn_smem" not in s and "smem_dynamic" not in c.to_dict()
+            assert c.smem_bytes() <= 49152
+    kernels = load_manifest()["kernels"]
+    assert all(k["arch"] == 90 and not k["kplan"].get("wgmma") and k["smem_bytes"] > 49152
+               for k in kernels if k.get("smem_dynamic"))
+    assert all(k["smem_bytes"] <= 49152 for k in kernels if not k.get("smem_dynamic"))

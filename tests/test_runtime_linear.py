@@ -177,6 +177,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, tuple[int, ...], int, list[int]]] = []
+        self.shared: list[int] = []  # dynamic shared memory bytes per launch
 
     def __call__(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
         import ctypes
@@ -186,6 +187,7 @@ class _Recorder:
         vals = [ctypes.c_void_p.from_address(ptrs[i]).value or 0 for i in range(n)]
         vals[1] = ctypes.c_int.from_address(ptrs[1]).value  # M
         self.calls.append((fn.value, (gx.value, gy.value, gz.value), stream.value or 0, vals))
+        self.shared.append(shared.value)
         return 0
 
 
@@ -524,3 +526,48 @@ def test_kernel_is_freed_by_refcount_after_a_generic_call(fake_gpu) -> None:
         assert ref() is None, "the kernel is kept alive by a reference cycle"
     finally:
         gc.enable()
+
+
+def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, tmp_path) -> None:
+    """An x_smem ring above 48 KB is dynamic shared memory: the kernel opts in to its size when its
+    module loads and every launch passes that size; static kernels pass 0 and never opt in."""
+    from dflashgen.runtime import driver, kernels
+    from dflashgen.schedule import KernelSpec, Tile, k_plan
+
+    rec, opted = _Recorder(), []
+
+    class Fn:
+        def __init__(self, name: str) -> None:
+            self.name, self.handle, self._raw_handle = name, 1, 1
+
+        def allow_dynamic_smem(self, nbytes: int) -> None:
+            opted.append((self.name, nbytes))
+
+    class Module:
+        def __init__(self, image: bytes, label: str) -> None:
+            pass
+
+        def function(self, name: str) -> Fn:
+            return Fn(name)
+
+    monkeypatch.setattr(kernels, "Module", Module)
+    monkeypatch.setattr(kernels, "ensure_context", lambda index: None)
+    monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
+    monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
+    image = tmp_path / "k.cubin"
+    image.write_bytes(b"")
+    n, k = 16480, 5120
+    kp = k_plan(90, "nvfp4", n, k)
+    assert kp.warps_k == 8
+    names = []
+    for rows, dynamic in ((32, True), (16, False)):  # warps_k 8 x rows x 64 K x 3 stages x 2 B: 96 / 48 KB
+        spec = KernelSpec(90, "nvfp4", n, k, False, kp, Tile(rows, 1, 1, 3, x_ahead=0, x_smem=1))
+        names.append(spec.name)
+        entry = spec.to_dict()
+        assert spec.smem_dynamic is dynamic and entry.get("smem_dynamic", False) is dynamic
+        kern = kernels.GemmKernel(entry, image, max_m=64, device=torch.device("cpu"))
+        launch = kernels.GemmLaunch(kern)
+        launch.m = 32
+        launch.launch(11, 12, 7)
+        assert rec.shared[-1] == (entry["smem_bytes"] if dynamic else 0)
+    assert opted == [(names[0], 98304)]

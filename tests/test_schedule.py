@@ -158,7 +158,10 @@ def test_x_smem_tiles() -> None:
     assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, warp_nt=2, warps_n=4, stages=2)))
     assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, rows=16), arch=80))
     assert "m16n8k16" in illegal_reason(replace(base, arch=70, kplan=KPlan(1, 2, 32)))
-    assert "shared memory" in illegal_reason(replace(base, kplan=KPlan(1, 4, 64)))
+    # a 96 KB ring (warps_k 4 x 3 stages x 64 rows x 64 K x 2 B): dynamic shared memory on sm_90 only
+    big = replace(base, kplan=KPlan(1, 4, 64))
+    assert illegal_reason(big) is None and big.smem_dynamic and big.smem_bytes() == 98304
+    assert "shared memory" in illegal_reason(replace(big, arch=80))
     assert "x_smem only" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=8)))
     wide = replace(base, tile=replace(base.tile, rows=32, warps_n=4), kplan=KPlan(1, 4, 64))
     assert "threads" in illegal_reason(wide)
