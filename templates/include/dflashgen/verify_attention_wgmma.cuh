@@ -36,6 +36,7 @@
 #include <cute/numeric/integer_sequence.hpp>
 
 #include "verify_attention.cuh"
+#include "verify_attention_wgmma_layout.cuh"
 
 namespace dflashgen {
 
@@ -68,12 +69,6 @@ __device__ __forceinline__ uint64_t desc_sw128(u32 addr, int lbo, int sbo) {
   d.bitfield.base_offset_ = 0;
   d.bitfield.layout_type_ = static_cast<uint8_t>(GMMA::LayoutType::B128);
   return d.desc_;
-}
-
-// Byte offset of 16-byte chunk c (0 .. D / 8 - 1) of row r in a swizzled tile of ROWS rows.
-template <int ROWS>
-__host__ __device__ constexpr int sw128_off(int r, int c) {
-  return (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
 // S (+)= A(desc) B(desc)^T for one k-step; s is the thread's T / 2 accumulators.
@@ -139,23 +134,25 @@ struct VerifyAttentionWg {
   __device__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
   // K and V tokens [t0, t0 + T) of this request (zeros past `end` or on a bad page) into the stage
-  // at shared address `st` (K tile, then V tile), swizzled.
+  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % CH of tokens
+  // i / CH, + THREADS / CH, ...: one page lookup and one offset per token serve its K and V chunk.
   __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
                                    const char* vb, long long block_stride, int kh) {
-    constexpr int N = 2 * T * CH;
-    static_assert(N % THREADS == 0, "whole rounds of copies");
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < N; idx += THREADS) {
-      const int which = idx / (T * CH), rem = idx % (T * CH);
-      const int tok = rem / CH, c = rem % CH, pos = t0 + tok;
-      bool ok = pos < end;
-      long long off = 0;
-      if (ok) {
-        const int blk = pages[pos / PAGE - pg0];
-        ok = blk >= 0;
-        if (ok) off = (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * 2 + 16 * c;
-      }
-      copy16(st + which * KV_TILE + wgattn::sw128_off<T>(tok, c), (which ? vb : kb) + off, ok);
+    constexpr int TSTEP = THREADS / CH;  // tokens per round
+    static_assert(THREADS % CH == 0 && T % TSTEP == 0, "whole rounds of copies");
+    const int c = threadIdx.x % CH, tok0 = threadIdx.x / CH;
+#pragma unroll
+    for (int k = 0; k < T / TSTEP; ++k) {
+      const int tok = tok0 + TSTEP * k, pos = t0 + tok;
+      // (pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's
+      // pages is never used.) Branch-free: the address is formed, the copy of a masked chunk reads 0 bytes.
+      const int blk = pages[pos / PAGE - pg0];
+      const bool ok = pos < end && blk >= 0;
+      const long long off =
+          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * 2 + 16 * c : 0;
+      const u32 dst = st + wgattn::sw128_off<T>(tok, c);
+      copy16(dst, kb + off, ok);
+      copy16(dst + KV_TILE, vb + off, ok);
     }
   }
 
@@ -235,23 +232,23 @@ struct VerifyAttentionWg {
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
 
     // Descriptors with the tile bases; k-steps add (byte offset >> 4) to the start-address field.
-    const uint64_t dq = wgattn::desc_sw128(sq, 16, 1024);
+    const uint64_t dq = wgattn::desc_sw128(sq, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
 
     for (int it = 0; it < tiles; ++it) {
       wait<STAGES - 2>();  // this thread's copies of tile `it` landed
       fence_async();
       __syncthreads();     // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills below)
       const u32 st = sst + (it % STAGES) * STAGE_BYTES;
-      const uint64_t dk = wgattn::desc_sw128(st, 16, 1024);
-      const uint64_t dv = wgattn::desc_sw128(st + KV_TILE, T * 128, 1024);
+      const uint64_t dk = wgattn::desc_sw128(st, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
+      const uint64_t dv = wgattn::desc_sw128(st + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
 
       // S = Q K^T (FP32), 16 k-steps of 16 halves of D.
       float s[T / 2];
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        const uint64_t a = dq + static_cast<uint64_t>(((ks >> 2) * M * 128 + (ks & 3) * 32) >> 4);
-        const uint64_t bk = dk + static_cast<uint64_t>(((ks >> 2) * T * 128 + (ks & 3) * 32) >> 4);
+        const uint64_t a = dq + static_cast<uint64_t>(wgattn::kmajor_kstep<M>(ks) >> 4);
+        const uint64_t bk = dk + static_cast<uint64_t>(wgattn::kmajor_kstep<T>(ks) >> 4);
         wgattn::qk_step<T>(a, bk, s, ks == 0 ? wgattn::GMMA::ScaleOut::Zero : wgattn::GMMA::ScaleOut::One,
                            cute::make_index_sequence<T / 2>{});
       }
@@ -321,7 +318,8 @@ struct VerifyAttentionWg {
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < T / 16; ++ks)
-        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>((ks * 16 * 128) >> 4), o, cute::make_index_sequence<128>{});
+        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
+                        cute::make_index_sequence<128>{});
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       wgattn::fence_regs(o);
