@@ -5,6 +5,9 @@ Head counts come from the models and TP degrees in schedules/targets.yaml (query
 / TP, at least 1: a KV head is replicated when there are fewer than ranks). Names encode every
 parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds2_sp512_le2048s64_le8192s128`` (the
 split rule: 64-token splits up to 2048 tokens, 128 up to 8192, else 512; see runtime/split_rule.py).
+``wg: 1`` schedules (sm_90 only, built for sm_90a) run the warpgroup-MMA kernel
+(templates/include/dflashgen/verify_attention_wgmma.cuh): one warpgroup per CTA over the group's
+query rows padded to 64; their names carry ``_wg1`` before the split rule.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ KV_ENUM = {"fp16": "FP16", "e5m2": "E5M2", "e4m3": "E4M3"}
 # Shared memory per SM (bytes, CTA reservations included): the occupancy hint of D-split kernels.
 SM_SMEM = {70: 98304, 80: 167936, 90: 233472}
 MMA = {"m8n8k4": ("AttnSm70", "mma.sync.m8n8k4 / HMMA.884"), "m16n8k16": ("AttnSm80", "mma.sync.m16n8k16 / HMMA.16816")}
+WG_MMA = "wgmma.m64nTk16 QK (SS) + m64n256k16 PV (P from registers) / HGMMA"
+WG_ROWS = 64  # the wgmma kernel's M: one warpgroup over the KV group's query rows, padded
+WG_TILES = (16, 32, 64)  # its tile is the QK wgmma's N
 
 
 @dataclass(frozen=True)
@@ -44,13 +50,20 @@ class AttnSpec:
     hs: int = 1  # CTAs per (request, KV head, split), each a part of the group's query rows
     ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
     short: tuple[tuple[int, int], ...] = ()  # split rule tiers (max length, split) below `split`
+    wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg = hs = ds = 1
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
-                f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}_{self.rule.tag}")
+                f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}{'_wg1' if self.wg else ''}"
+                f"_{self.rule.tag}")
+
+    @property
+    def target(self) -> str:
+        """The compute_/sm_ suffix: 90a for the wgmma kernel (arch-specific features), else the arch."""
+        return f"{self.arch}a" if self.wg else str(self.arch)
 
     @property
     def rule(self) -> SplitRule:
@@ -68,6 +81,8 @@ class AttnSpec:
 
     @property
     def threads(self) -> int:
+        if self.wg:
+            return 128  # one warpgroup
         return 32 * (self.cta_rows // 16) * self.kvg * self.ds
 
     @property
@@ -78,7 +93,11 @@ class AttnSpec:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM; the template asserts it)."""
+        """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM, or VerifyAttentionWg::SMEM for
+        wg: 1 KB alignment slack, Q of 64 rows, the K/V ring, page ids; the template asserts it)."""
+        pages_bytes = (((self.split + self.page - 1) // self.page + 1) * 4 + 15) // 16 * 16
+        if self.wg:
+            return 1024 + WG_ROWS * self.d * 2 + self.stages * 2 * self.tile * self.d * 2 + pages_bytes
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
         teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
         pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids
@@ -101,6 +120,10 @@ class AttnSpec:
         m["short"] = [list(t) for t in self.short]
         m.update(threads=self.threads, smem=self.smem, rows=self.rows, cta_rows=self.cta_rows,
                  min_blocks=self.min_blocks)
+        if self.wg:
+            m["target"] = self.target  # build.py: compute_90a / sm_90a
+        else:
+            del m["wg"]  # the mma.sync entries keep their pre-wgmma form
         return m
 
 
@@ -138,6 +161,20 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
         raise AttnScheduleError(f"{spec.name}: {spec.hs} row parts of {spec.rows} rows must each be a multiple of 16")
     if spec.d != 256:
         raise AttnScheduleError(f"{spec.name}: the kernel's accumulator layout is written for head_dim 256")
+    if spec.wg not in (0, 1):
+        raise AttnScheduleError(f"{spec.name}: wg is 0 (mma.sync) or 1 (warpgroup MMA)")
+    if spec.wg:
+        if spec.arch != 90:
+            raise AttnScheduleError(f"{spec.name}: wg: 1 (wgmma) exists on sm_90 only, not sm_{spec.arch}")
+        if spec.kv != "fp16":
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel reads FP16 KV only (FP8: not yet)")
+        if spec.kvg != 1 or spec.hs != 1 or spec.ds != 1:
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes no kvg / hs / ds (one warpgroup per CTA)")
+        if spec.rows > WG_ROWS or spec.rows % 8:
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes <= {WG_ROWS} query rows per KV group "
+                                    f"(a multiple of 8), not {spec.rows}")
+        if spec.tile not in WG_TILES or spec.stages < 2:
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel's tile is one of {WG_TILES}, with >= 2 stages")
     if spec.ds not in (1, 2, 4) or spec.tile % (16 * spec.ds) or (spec.ds > 1 and spec.threads // 32 // spec.ds > 15):
         raise AttnScheduleError(f"{spec.name}: the D split needs tile % (16 x ds) == 0 and <= 15 warp teams")
     sizes = [rule.split, *(sp for _, sp in rule.tiers)]
@@ -184,12 +221,13 @@ def specs() -> list[AttnSpec]:
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
                     for var, default in variants:
-                        if not default and (kv != "fp16" or page != 16):
+                        if (not default or var.get("wg")) and (kv != "fp16" or page != 16):
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
                                         int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)),
                                         ds=int(var.get("ds", 1)), short=_tiers(var.get("short"), hkv),
+                                        wg=int(var.get("wg", 0)),
                                         default=default,
                                         serves=tuple(sorted(users)))
                         check(spec, int(a["smem_limit"]))
@@ -199,9 +237,14 @@ def specs() -> list[AttnSpec]:
 
 def render(spec: AttnSpec) -> str:
     mma_struct, mma_name = MMA[load_schedule()["archs"][spec.arch]["mma"]]
+    if spec.wg:  # Cfg keeps the mma.sync struct: VerifyAttention<Cfg> supplies the merge kernel
+        mma_name, mma_struct = WG_MMA, MMA["m16n8k16"][0]
     return _env().get_template("verify_attention.cu.j2").render(
-        version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.arch, mma=mma_name,
-        mma_struct=mma_struct, hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
+        version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.target,
+        mma=mma_name, mma_struct=mma_struct, wg=spec.wg,
+        header="verify_attention_wgmma.cuh" if spec.wg else "verify_attention.cuh",
+        attn_struct="VerifyAttentionWg" if spec.wg else "VerifyAttention",
+        hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,
         kv=spec.kv, kv_enum=KV_ENUM[spec.kv], page=spec.page, tile=spec.tile, stages=spec.stages, split=spec.split,
         kvg=spec.kvg, hs=spec.hs, ds=spec.ds, min_blocks=spec.min_blocks, short=spec.short,
         threads=spec.threads, smem=spec.smem, rows=spec.rows,

@@ -120,7 +120,8 @@ def _point(hq: int, hkv: int, ctx: int, nb: int, variants: list[dict[str, Any]],
 
 
 def run(out_dir: Path, contexts: tuple[int, ...] = CONTEXTS, batches: tuple[int, ...] = BATCHES,
-        heads: tuple[str, ...] = tuple(HEADS), capacity: int = 0) -> dict[str, Any]:
+        heads: tuple[str, ...] = tuple(HEADS), capacity: int = 0, only: str | None = None) -> dict[str, Any]:
+    """``only``: a regex on kernel names; the race keeps the matching candidates (the default always runs)."""
     from .runtime.attention_kernel import attention_entries, kernel_arch
     from .timing import read_bandwidth
 
@@ -130,11 +131,13 @@ def run(out_dir: Path, contexts: tuple[int, ...] = CONTEXTS, batches: tuple[int,
     bw = read_bandwidth(dev) * 1e9
     rep: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "kernel_arch": arch, "read_GBps": bw / 1e9,
                            "torch": torch.__version__, "nq": NQ, "head_dim": D, "page": PAGE, "kv": "fp16",
-                           "capacity": capacity, "rows": []}
+                           "capacity": capacity, "only": only, "rows": []}
     for tag in heads:
         hq, hkv = HEADS[tag]
-        variants = sorted((e for e in attention_entries() if (e["arch"], e["hq"], e["hkv"], e["kv"], e["page"])
-                           == (arch, hq, hkv, "fp16", PAGE)), key=lambda e: (not e["default"], e["name"]))
+        variants = sorted((e for e in attention_entries()
+                           if (e["arch"], e["hq"], e["hkv"], e["kv"], e["page"]) == (arch, hq, hkv, "fp16", PAGE)
+                           and (e["default"] or not only or re.search(only, e["name"]))),
+                          key=lambda e: (not e["default"], e["name"]))
         for ctx in contexts:
             for nb in batches:
                 row = _point(hq, hkv, ctx, nb, variants, bw, capacity)
@@ -240,9 +243,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--capacity", type=int, default=0,
                    help="block-table capacity in tokens for our kernels (default: the context, rounded to pages); "
                         "larger = the serving case, where the grid covers the longest context")
+    p.add_argument("--only", default=None,
+                   help="regex on kernel names: race only the matching candidates (and the served default), "
+                        "e.g. '_wg1_' for the sm_90a warpgroup-MMA kernels")
 
     def main(args: argparse.Namespace) -> int:
-        rep = run(Path(args.out), tuple(args.contexts), tuple(args.batches), tuple(args.heads), args.capacity)
+        rep = run(Path(args.out), tuple(args.contexts), tuple(args.batches), tuple(args.heads), args.capacity,
+                  args.only)
         print((Path(args.out) / "attn-bench.md").read_text())
         print(f"wrote {args.out}/attn-bench.json, attn-bench.md ({rep['seconds']:.0f} s)")
         return 0

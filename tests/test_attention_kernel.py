@@ -33,14 +33,14 @@ def test_family_covers_every_target_once() -> None:
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
                      f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"ds{s.ds}",
-                     f"sp{s.split}", *(f"le{a}s{b}" for a, b in s.short)):
+                     f"sp{s.split}", *(f"le{a}s{b}" for a, b in s.short), *(["wg1"] if s.wg else [])):
             assert f"_{part}_" in s.name + "_"
         assert s.name.endswith(s.rule.tag)
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
             for kv in ("fp16", "e5m2", "e4m3") for p in (4, 16)}
     assert set(defaults) == want
     assert all("qwen3.8-27b/tp" in u for s in specs for u in s.serves)
-    assert len(specs) <= 72, "keep the family's build small"
+    assert len(specs) <= 80, "keep the family's build small"
     # Every served schedule carries the YAML's split rule; the race has the same schedules without it.
     rules = af.load_schedule()["short_splits"]
     for s in defaults.values():
@@ -94,7 +94,16 @@ def test_bad_split_rules_in_the_schedule(monkeypatch, tiers, match) -> None:
 @pytest.mark.parametrize("change,match", [({"tile": 48}, "tile"), ({"d": 128}, "head_dim 256"),
                                           ({"hq": 5}, "multiple of 16"), ({"stages": 9}, "shared memory"),
                                           ({"hs": 2}, "row parts"), ({"tile": 16, "kvg": 8}, "combine buffer"),
-                                          ({"tile": 16, "ds": 2}, "D split")])
+                                          ({"tile": 16, "ds": 2}, "D split"),
+                                          # the warpgroup-MMA kernel (wg: 1)
+                                          ({"wg": 1, "arch": 80}, "sm_90 only"), ({"wg": 2}, "wg is 0"),
+                                          ({"wg": 1, "kv": "e4m3"}, "FP16 KV only"),
+                                          ({"wg": 1, "ds": 2}, "no kvg / hs / ds"),
+                                          ({"wg": 1, "kvg": 2}, "no kvg / hs / ds"),
+                                          ({"wg": 1, "hq": 12}, "<= 64 query rows"),
+                                          ({"wg": 1, "tile": 128, "split": 512}, "tile is one of"),
+                                          ({"wg": 1, "stages": 1}, ">= 2 stages"),
+                                          ({"wg": 1, "tile": 64, "stages": 4}, "shared memory")])
 def test_schedule_rejects_illegal_kernels(change, match) -> None:
     base = dict(arch=90, hq=6, hkv=1, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=256)
     with pytest.raises(af.AttnScheduleError, match=match):
@@ -110,6 +119,99 @@ def test_kernel_compiles_without_spills(arch, needles) -> None:
     assert r["registers"] > 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
     ptx = res.artifacts[name].ptx.read_text()
     assert all(n in ptx for n in needles) and f"{name}_merge" in ptx
+
+
+def _wg_spec(**kw) -> af.AttnSpec:
+    base = dict(arch=90, hq=24, hkv=4, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=512, wg=1)
+    return af.AttnSpec(**{**base, **kw})
+
+
+def test_wgmma_specs_render_and_name() -> None:
+    """wg: 1 schedules: `_wg1` in the name (before the split rule), one warpgroup, the sm_90a target in
+    the manifest entry (build.py compiles compute_90a / sm_90a), the wgmma header and struct rendered;
+    mma.sync entries keep their form. Only benchmark candidates (never served), FP16 KV, page 16, sm_90."""
+    spec = _wg_spec(short=((2048, 64), (8192, 128)))
+    assert spec.name == "dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128"
+    assert spec.threads == 128 and spec.min_blocks == 1 and spec.target == "90a"
+    assert spec.smem == 1024 + 64 * 256 * 2 + 2 * 2 * 32 * 256 * 2 + 144  # slack, Q, ring, 33 page ids
+    meta = spec.meta()
+    assert meta["target"] == "90a" and meta["wg"] == 1 and meta["rows"] == 48
+    src = af.render(spec)
+    assert "#include <dflashgen/verify_attention_wgmma.cuh>" in src and "VerifyAttentionWg<Cfg>" in src
+    assert "__launch_bounds__(128, 1)" in src and "__align__(1024)" in src and "sm_90a" in src
+    assert f"SMEM == {spec.smem}" in src and "wgmma=1" in src
+    plain = _wg_spec(wg=0, ds=2)
+    assert "wg" not in plain.meta() and "target" not in plain.meta() and "_wg" not in plain.name
+    assert "VerifyAttentionWg" not in af.render(plain) and "__align__(128)" in af.render(plain)
+    wgs = [s for s in af.specs() if s.wg]
+    assert wgs and all(s.arch == 90 and s.kv == "fp16" and s.page == 16 and not s.default for s in wgs)
+    assert {(s.hq, s.hkv) for s in wgs} == set(TARGET_HEADS)
+    # at least one candidate with each served split rule (a servable twin of the default's rule)
+    for hq, hkv in TARGET_HEADS:
+        served = select_kernel(90, hq, hkv, 256, "fp16", 16)
+        assert any(s.hkv == hkv and [list(t) for t in s.short] == served["short"] and s.split == served["split"]
+                   for s in wgs)
+
+
+def test_wgmma_kernel_compiles_for_sm90a() -> None:
+    """A wg kernel through the build (compute_90a PTX, sm_90a cubin): wgmma for QK (m64n32k16) and PV
+    (m64n256k16), no spills, no ptxas wgmma serialization warnings."""
+    name = next(s.name for s in af.specs() if s.wg and s.hkv == 1 and s.tile == 32 and s.stages == 2 and s.short)
+    res = build([90], only=f"^{name}$", progress=False)
+    art = res.artifacts[name]
+    r = res.resources()[name]
+    assert 0 < r["registers"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0
+    ptx = art.ptx.read_text()
+    assert ".target sm_90a" in ptx and f"{name}_merge" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx and "fence.proxy.async" in ptx
+    log = art.log.read_text()
+    assert "serializ" not in log.lower() and "C7510" not in log and "C7513" not in log
+
+
+def test_wgmma_fragment_dataflow() -> None:
+    """The S accumulator (wgmma D layout: per warp the m16n8 C layout of every 8-column block) repacked
+    as P's A fragments exactly as the kernel does (block n -> k-step n / 2, registers 2 (n & 1) + j)
+    holds P[row, k] where the PTX A layout wants it: row g + 8 (i & 1), k 2 t + 8 (i >> 1) + h."""
+    t_ = 64
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for n in range(t_ // 8):
+            for e in range(4):
+                row, col = _sm80_acc(lane, n, e)  # the S element this thread holds
+                ks, i, h = n >> 1, 2 * (n & 1) + (e >> 1), e & 1  # where the kernel packs it
+                assert (row, col) == (g + 8 * (i & 1), 16 * ks + 2 * t + 8 * (i >> 1) + h)
+
+
+def test_wgmma_layout_matches_cute(tmp_path) -> None:
+    """The wg kernel's swizzled tiles, k-step starts and descriptor fields == CuTe's canonical GMMA
+    layouts and make_gmma_desc (tests/wgmma_attention_layout.cpp, compiled for the host with g++)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from dflashgen.toolchain import include_dirs
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("no host C++ compiler")
+    dirs = [str(d) for d in include_dirs()]
+    try:
+        import nvidia.cuda_nvcc  # crt/host_defines.h, which cuda_runtime_api.h includes
+
+        dirs += [str(Path(p) / "include") for p in nvidia.cuda_nvcc.__path__]
+    except ImportError:
+        pass
+    dirs += ["/usr/local/cuda/include"]
+    exe = tmp_path / "layout"
+    cpp = Path(__file__).with_name("wgmma_attention_layout.cpp")
+    res = subprocess.run([cxx, "-std=c++17", "-O0", *(f"-I{d}" for d in dirs), str(cpp), "-o", str(exe)],
+                         capture_output=True, text=True)
+    if res.returncode and "No such file or directory" in res.stderr:
+        pytest.skip(f"headers for a host build of CuTe missing: {res.stderr.splitlines()[-1][:200]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and "OK: 0 mismatches" in run.stdout, run.stdout[-3000:]
 
 
 def test_work_placement_knobs_compile_on_sm70(tmp_path) -> None:

@@ -1,0 +1,355 @@
+// dflashgen: grouped verification attention with sm_90a warpgroup MMA (wgmma.mma_async, HGMMA),
+// FA3-style. Rendered for schedules with `wg: 1` (built for compute_90a / sm_90a only); the
+// mma.sync kernels (verify_attention.cuh) never see this header.
+//
+// Same contract as VerifyAttention (verify_attention.cuh): one CTA = one (request, KV head, split),
+// grid (HKV, B, max_splits) with the split index slowest, split sizes from the request's own
+// length (Cfg::split_for: batch-invariant), the same causal rule, the same per-split (max, sum, O)
+// partials and error bits, and VerifyAttention's merge kernel unchanged.
+//
+// One warpgroup (128 threads, 4 warps) owns all ROWS = GROUP x QROWS (<= 64) query rows of the KV
+// group, padded to the wgmma M of 64 (padded rows: zero Q, every token visible, finite, never
+// written). Per tile of T tokens:
+//   S[64 x T]   = Q K^T   wgmma m64nTk16, A = Q and B = K both from shared memory (K-major),
+//   online softmax on the S accumulator in registers (FP32, exp2 domain, quad shuffles),
+//   O[64 x 256] += P V    wgmma m64n256k16, A = P (FP16) from registers (the S accumulator layout is
+//                         the A fragment layout), B = V from shared memory (MN-major: D contiguous).
+// Every K/V byte is read from shared memory once (by the tensor cores), not once per 16-row block.
+//
+// Shared-memory tiles (Q: 64 rows; K and V: T token rows) use the canonical 128-byte swizzle
+// (CuTe GMMA::Layout_K_SW128_Atom / Layout_MN_SW128_Atom for 16-bit types): a row of D = 256 halves
+// is 4 atoms of 64 halves (128 B); atom a of every row of the tile is one block of rows x 128 B
+// (block a at a * rows * 128 B), and in it 16-byte chunk c of row r sits at chunk c ^ (r & 7). Every
+// block starts 1024-byte aligned (the swizzle is on address bits [4, 7) ^ [7, 10)).
+// Descriptors (PTX ISA "Matrix Descriptor Format"; CuTe make_gmma_desc, layout SWIZZLE_128B):
+// - K-major (Q as A, K as B, 16 halves of D per k-step): start = block (ks / 4) + 32 B x (ks % 4),
+//   SBO = 1024 B (8-row groups), LBO unused (1).
+// - MN-major (V as B, 16 tokens per k-step): start = token 16 ks (16 x 128 B), LBO = rows x 128 B
+//   (the next 64-column atom along N = D), SBO = 1024 B (the next 8 tokens along K).
+// K/V tiles are copied global -> shared with 16-byte cp.async into the swizzled positions, STAGES
+// tiles in the ring; each thread fences its completed copies to the async proxy
+// (fence.proxy.async) before the barrier that precedes the wgmmas reading them.
+#pragma once
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/numeric/integer_sequence.hpp>
+
+#include "verify_attention.cuh"
+#include "verify_attention_wgmma_layout.cuh"
+
+namespace dflashgen {
+
+namespace wgattn {
+
+namespace GMMA = cute::SM90::GMMA;
+
+template <int N>
+struct QkAtom;
+template <>
+struct QkAtom<16> {
+  using type = GMMA::MMA_64x16x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct QkAtom<32> {
+  using type = GMMA::MMA_64x32x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct QkAtom<64> {
+  using type = GMMA::MMA_64x64x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+using PvAtom = GMMA::MMA_64x256x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>;
+
+// A SWIZZLE_128B descriptor of the tile at shared address `addr` (1024-byte aligned block starts).
+__device__ __forceinline__ uint64_t desc_sw128(u32 addr, int lbo, int sbo) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>((addr & 0x3FFFF) >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = static_cast<uint8_t>(GMMA::LayoutType::B128);
+  return d.desc_;
+}
+
+// S (+)= A(desc) B(desc)^T for one k-step; s is the thread's T / 2 accumulators.
+template <int N, size_t... I>
+__device__ __forceinline__ void qk_step(uint64_t da, uint64_t db, float (&s)[N / 2], GMMA::ScaleOut sc,
+                                        cute::index_sequence<I...>) {
+  QkAtom<N>::type::fma(da, db, s[I]..., sc);
+}
+// O += P(regs) V(desc) for one k-step; o is the thread's 128 accumulators.
+template <size_t... I>
+__device__ __forceinline__ void pv_step(const u32 (&a)[4], uint64_t db, float (&o)[128], cute::index_sequence<I...>) {
+  PvAtom::fma(a[0], a[1], a[2], a[3], db, o[I]..., GMMA::ScaleOut::One);
+}
+
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const u32*>(&h);
+}
+
+}  // namespace wgattn
+
+template <class Cfg>
+struct VerifyAttentionWg {
+  using Base = VerifyAttention<Cfg>;  // the merge kernel, length check
+  static constexpr int GROUP = Cfg::GROUP, QROWS = Cfg::QROWS, HKV = Cfg::HKV, HQ = GROUP * HKV;
+  static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
+  static constexpr int ROWS = GROUP * QROWS;  // real query rows of the KV group
+  static constexpr int M = 64;                // wgmma M: rows ROWS .. 63 are padding
+  static constexpr int THREADS = 128;         // one warpgroup
+  static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
+  static_assert(Cfg::KV == KvType::FP16, "the wgmma kernel reads FP16 KV (FP8: not yet)");
+  static_assert(Cfg::KVG == 1 && Cfg::HS == 1 && Cfg::DS == 1, "the wgmma kernel has no kvg / hs / ds");
+  static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
+  static_assert(ROWS <= M && ROWS % 8 == 0, "one warpgroup of 64 rows per KV group");
+  static_assert(T == 16 || T == 32 || T == 64, "tile: wgmma N of the QK step");
+  static_assert(SPLIT % T == 0 && Cfg::MIN_SPLIT % T == 0 && STAGES >= 2, "tile shape / ring");
+  static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
+
+  // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) | page ids.
+  static constexpr int Q_BYTES = M * D * 2;
+  static constexpr int KV_TILE = T * D * 2;
+  static constexpr int STAGE_BYTES = 2 * KV_TILE;
+  static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
+  static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
+  static constexpr int ALIGN = 1024;
+  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + TB_BYTES;
+  static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0, "swizzle blocks stay 1024-byte aligned");
+
+  __device__ static void copy16(u32 dst, const char* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+  }
+  __device__ static void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+  template <int N>
+  __device__ static void wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+  }
+  __device__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+  // K and V tokens [t0, t0 + T) of this request (zeros past `end` or on a bad page) into the stage
+  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % CH of tokens
+  // i / CH, + THREADS / CH, ...: one page lookup and one offset per token serve its K and V chunk.
+  __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
+                                   const char* vb, long long block_stride, int kh) {
+    constexpr int TSTEP = THREADS / CH;  // tokens per round
+    static_assert(THREADS % CH == 0 && T % TSTEP == 0, "whole rounds of copies");
+    const int c = threadIdx.x % CH, tok0 = threadIdx.x / CH;
+#pragma unroll
+    for (int k = 0; k < T / TSTEP; ++k) {
+      const int tok = tok0 + TSTEP * k, pos = t0 + tok;
+      // (pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's
+      // pages is never used.) Branch-free: the address is formed, the copy of a masked chunk reads 0 bytes.
+      const int blk = pages[pos / PAGE - pg0];
+      const bool ok = pos < end && blk >= 0;
+      const long long off =
+          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * 2 + 16 * c : 0;
+      const u32 dst = st + wgattn::sw128_off<T>(tok, c);
+      copy16(dst, kb + off, ok);
+      copy16(dst + KV_TILE, vb + off, ok);
+    }
+  }
+
+  __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
+                             const char* __restrict__ vpool, long long block_stride, int num_blocks,
+                             const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
+                             float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
+                             int max_splits, int* __restrict__ err, char* smem_raw) {
+    const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const int* table = block_tables + static_cast<long long>(b) * table_stride;
+    // The split's page id under each split size the rule can pick, loaded with the length (as VerifyAttention).
+    int cand[Cfg::NSIZES];
+#pragma unroll
+    for (int t = 0; t < Cfg::NSIZES; ++t) {
+      const int sz = Cfg::size_at(t), pg = split * sz / PAGE + static_cast<int>(threadIdx.x);
+      cand[t] = ldg_if(table + pg, static_cast<int>(threadIdx.x) < (sz + PAGE - 1) / PAGE + 1 && pg < table_stride);
+    }
+    const int len = lengths[b];
+    if (!Base::length_ok(len, nq, table_stride * PAGE)) {
+      if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
+      return;
+    }
+    const int size = Cfg::split_for(len), begin = split * size;
+    if (begin >= len) return;
+    const int end = min(begin + size, len), tiles = (end - begin + T - 1) / T;
+
+    // 1024-byte aligned base (the 128-byte swizzle pattern is on absolute shared addresses).
+    const u32 raw_addr = smem_addr(smem_raw);
+    const int pad = static_cast<int>((ALIGN - (raw_addr & (ALIGN - 1))) & (ALIGN - 1));
+    char* smem = smem_raw + pad;
+    const u32 sq = raw_addr + pad, sst = sq + Q_BYTES;
+    int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);
+
+    // The split's page ids, checked once (bad ones flag the error and read as zeros).
+    const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
+    int mine = cand[0];
+#pragma unroll
+    for (int t = 1; t < Cfg::NSIZES; ++t)
+      if (size == Cfg::size_at(t)) mine = cand[t];
+    for (int i = threadIdx.x; i < npg; i += THREADS) {
+      int blk = i == static_cast<int>(threadIdx.x) ? mine : __ldg(table + pg0 + i);
+      if (blk < 0 || blk >= num_blocks) {
+        atomicOr(err, ATTN_ERR_PAGE);
+        blk = -1;
+      }
+      spages[i] = blk;
+    }
+    __syncthreads();
+
+    // Pipeline prologue, then Q (zeros for padded rows and rows past nq) while the copies fly.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * T, end, spages, pg0, kpool, vpool, block_stride, kh);
+      commit();
+    }
+    for (int idx = threadIdx.x; idx < M * CH; idx += THREADS) {
+      const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < ROWS && i < nq)
+        v = __ldg(reinterpret_cast<const uint4*>(q + ((static_cast<long long>(b) * nq + i) * HQ + h) * D) + c);
+      *reinterpret_cast<uint4*>(smem + wgattn::sw128_off<M>(r, c)) = v;
+    }
+    fence_async();  // Q's st.shared -> visible to wgmma (the loop's first barrier orders it)
+
+    // Thread (warp w, g = lane / 4, t = lane % 4) holds accumulator rows 16 w + g (j = 0) and
+    // 16 w + g + 8 (j = 1), columns 8 n + 2 t, + 1 of every 8-column block n.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int limit[2];  // last visible position of each row (padded rows: all; rows past nq as VerifyAttention)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = 16 * warp + g + 8 * j, qi = r % QROWS;
+      limit[j] = r < ROWS && qi < nq ? len - nq + qi : len - 1;
+    }
+    float m_run[2] = {-DFG_INF, -DFG_INF}, l_run[2] = {0.0f, 0.0f};
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+
+    // Descriptors with the tile bases; k-steps add (byte offset >> 4) to the start-address field.
+    const uint64_t dq = wgattn::desc_sw128(sq, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
+
+    for (int it = 0; it < tiles; ++it) {
+      wait<STAGES - 2>();  // this thread's copies of tile `it` landed
+      fence_async();
+      __syncthreads();     // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills below)
+      const u32 st = sst + (it % STAGES) * STAGE_BYTES;
+      const uint64_t dk = wgattn::desc_sw128(st, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
+      const uint64_t dv = wgattn::desc_sw128(st + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
+
+      // S = Q K^T (FP32), 16 k-steps of 16 halves of D.
+      float s[T / 2];
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint64_t a = dq + static_cast<uint64_t>(wgattn::kmajor_kstep<M>(ks) >> 4);
+        const uint64_t bk = dk + static_cast<uint64_t>(wgattn::kmajor_kstep<T>(ks) >> 4);
+        wgattn::qk_step<T>(a, bk, s, ks == 0 ? wgattn::GMMA::ScaleOut::Zero : wgattn::GMMA::ScaleOut::One,
+                           cute::make_index_sequence<T / 2>{});
+      }
+      cute::warpgroup_commit_batch();
+
+      // While the tensor cores work: the copies of tile it + STAGES - 1 into tile it - 1's slot.
+      if (it + STAGES - 1 < tiles)
+        load_tile(sst + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, begin + (it + STAGES - 1) * T, end, spages, pg0,
+                  kpool, vpool, block_stride, kh);
+      commit();
+
+      cute::warpgroup_wait<0>();
+      wgattn::fence_regs(s);
+
+      // Online softmax (exp2 domain): scale, causal mask (and the tile's tail), row max over the quad.
+      const int t0 = begin + it * T;
+      float mx[2] = {-DFG_INF, -DFG_INF};
+#pragma unroll
+      for (int n = 0; n < T / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = e >> 1, pos = t0 + 8 * n + 2 * tq + (e & 1);
+          float x = s[4 * n + e] * qk_scale;
+          if (pos > limit[j]) x = -DFG_INF;
+          s[4 * n + e] = x;
+          mx[j] = fmaxf(mx[j], x);
+        }
+      float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 1));
+        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 2));
+        const float m_new = fmaxf(m_run[j], mx[j]);
+        base[j] = m_new == -DFG_INF ? 0.0f : m_new;  // all masked so far: exp2 gives 0, not NaN
+        alpha[j] = exp2f(m_run[j] - base[j]);
+        m_run[j] = m_new;
+      }
+      u32 pa[T / 16][4];
+#pragma unroll
+      for (int n = 0; n < T / 8; ++n) {
+        const float p0 = exp2f(s[4 * n] - base[0]), p1 = exp2f(s[4 * n + 1] - base[0]);
+        const float p2 = exp2f(s[4 * n + 2] - base[1]), p3 = exp2f(s[4 * n + 3] - base[1]);
+        sum[0] += p0;
+        sum[0] += p1;
+        sum[1] += p2;
+        sum[1] += p3;
+        // The accumulator of 8-column block n is the A fragment's half (n & 1) of k-step n / 2.
+        pa[n >> 1][2 * (n & 1)] = wgattn::pack_half2(p0, p1);
+        pa[n >> 1][2 * (n & 1) + 1] = wgattn::pack_half2(p2, p3);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], 1);
+        sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], 2);
+        l_run[j] = l_run[j] * alpha[j] + sum[j];
+      }
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+      }
+
+      // O += P V, T / 16 k-steps of 16 tokens.
+      wgattn::fence_regs(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < T / 16; ++ks)
+        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
+                        cute::make_index_sequence<128>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      wgattn::fence_regs(o);
+    }
+    wait<0>();
+
+    // Partial results of this split (real rows only): unnormalised O, (max, sum) per row (log2 units).
+    const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
+    float* po = part_o + slot * ROWS * D;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = 16 * warp + g + 8 * j;
+      if (r < ROWS) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(po + r * D + 8 * n + 2 * tq) = make_float2(o[4 * n + 2 * j], o[4 * n + 2 * j + 1]);
+        if (tq == 0) {
+          float* pml = part_ml + (slot * ROWS + r) * 2;
+          pml[0] = m_run[j];
+          pml[1] = l_run[j];
+        }
+      }
+    }
+  }
+
+  __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
+                               const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
+                               float* __restrict__ out) {
+    Base::merge(part_o, part_ml, nq, lengths, capacity, max_splits, v_scale, out);
+  }
+};
+
+}  // namespace dflashgen
