@@ -149,8 +149,8 @@ class KernelSpec:
     @property
     def x_stages(self) -> int:
         """Activation ring depth of an x_smem tile (skinny_gemm.cuh XST): wgmma stages + 1; mma.sync
-        max(stages, 3), so the copies run two groups ahead also behind a 2-deep weight ring."""
-        return self.tile.stages + 1 if self.kplan.wgmma else max(self.tile.stages, 3)
+        3, so the copies run two groups ahead whatever the depth of the weight ring (stages)."""
+        return self.tile.stages + 1 if self.kplan.wgmma else 3
 
     @property
     def smem_dynamic(self) -> bool:
@@ -294,10 +294,10 @@ def _mma_sync_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
 
 
 def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
-    """Busiest SM's CTAs over the average, for the cost model's best tile of the plan at M = 8
-    (1.0: every SM equally loaded; 132 / 80 for 80 CTAs on 132 SMs)."""
+    """Busiest SM's CTAs over the average, for the cost model's best register-path tile of the plan
+    at M = 8 (1.0: every SM equally loaded; 132 / 80 for 80 CTAs on 132 SMs)."""
     sms = load_space(arch).sms
-    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8]
+    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8 and not s.tile.x_smem]
     best = min(tiles, key=lambda s: model_us(s, 8))
     ctas = math.prod(best.grid(8))
     return math.ceil(ctas / sms) * sms / ctas

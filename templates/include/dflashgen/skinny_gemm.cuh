@@ -72,9 +72,10 @@ struct SkinnyGemm {
   // the time the K reduction needs `red`, so they share the storage.
   // WGMMA keeps one more stage: a stage is rewritten only once the wgmma group that read it has
   // retired (wait_group 1 keeps the newest in flight), so the copy runs XST - 2 groups ahead.
-  // mma.sync keeps at least 3 (copies two groups ahead) also where the weight register ring is
-  // shallower (STAGES = 2: the warp_nt = 2 tiles, whose second weight tile costs the registers).
-  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : (Cfg::STAGES < 3 ? 3 : Cfg::STAGES);
+  // mma.sync keeps 3 (copies two groups ahead) whatever the depth of the weight register ring
+  // (STAGES = 2: the warp_nt = 2 tiles, whose second weight tile costs the registers; STAGES > 3:
+  // more weight bytes in flight per warp, the activations need not run further ahead).
+  static constexpr int XST = !Cfg::X_SMEM ? 1 : WG ? Cfg::STAGES + 1 : 3;
   static constexpr int XCHUNKS = Cfg::ROWS * T::XCPR;      // 16-byte chunks per stage
   static constexpr int XTHR = 32 * Cfg::WARPS_N;            // copiers: the worker's threads
   static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
