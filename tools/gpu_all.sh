@@ -6,7 +6,8 @@
 #   PART=B ...                             # every GPU test (TP2 over NCCL when 2 GPUs) on that table,
 #                                          # overhead, attn-bench
 #   PART=C ...                             # a prefill profile and the decode-loop endpoint
-#                                          # benchmark on that table
+#                                          # benchmark on that table (JOIN_AB=k: also B4 / B8 admitted
+#                                          # in groups of k, the session-5 admission A/B)
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -37,10 +38,10 @@ C)
   timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40
   echo "== prefill profile"; timeout 90 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
   head -1 "$R/decode/profile-prefill.txt"
-  # the admission A/B: the same checkpoint at B4 / B8 with every request admitted at once
-  # (efficiency against the run above's B1)
-  mkdir -p "$R/decode-join1"
-  echo "== decode-bench --join-group 1 (B4, B8)"
-  timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 --join-group 1 \
-    --out "$R/decode-join1" 2>&1 | tail -12 ;;
+  if [ -n "${JOIN_AB:-}" ]; then  # the admission A/B (session 5): B4 / B8 in groups of JOIN_AB vs at once
+    mkdir -p "$R/decode-join"
+    echo "== decode-bench --join-group $JOIN_AB (B4, B8)"
+    timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 --join-group "$JOIN_AB" \
+      --out "$R/decode-join" 2>&1 | tail -12
+  fi ;;
 esac
