@@ -54,6 +54,19 @@ struct Col {
       for (int c = 0; c < CPT; ++c) s[r][c] = __fadd_rn(s[r][c], __fmul_rn(k, u[c]));
     }
   }
+  // One position of the delta rule, shared by the step and prefill kernels (same bits): S <- d S,
+  // u = beta (v - S^T k), S += k u^T, o = S^T q. k, q: DK-vectors in shared memory; v: this
+  // thread's CPT columns of the value row.
+  __device__ __forceinline__ void position(float d, float beta, const float* k, const float* q, const float* v,
+                                           int lr, float (&ut)[CPT], float (&ot)[CPT]) {
+    decay(d);
+    float kv[CPT];
+    dot(k, kv, lr);
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(beta, __fsub_rn(v[c], kv[c]));
+    add(k, ut, lr);
+    dot(q, ot, lr);
+  }
   // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits).
   __device__ __forceinline__ void dot(const float* x, float (&out)[CPT], int lr) const {
 #pragma unroll
@@ -173,13 +186,8 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
   const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
   const int jl = lay.j0 - blockIdx.x * L::COLS;
   for (int t = 0; t < T; ++t) {
-    col.decay(ds[t]);
-    float kv[CPT], ut[CPT], ot[CPT];
-    col.dot(ks[t], kv, lay.lr);
-#pragma unroll
-    for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(bs[t], __fsub_rn(vs[t][jl + c], kv[c]));
-    col.add(ks[t], ut, lay.lr);
-    col.dot(qs[t], ot, lay.lr);
+    float ut[CPT], ot[CPT];
+    col.position(ds[t], bs[t], ks[t], qs[t], &vs[t][jl], lay.lr, ut, ot);
     if (lay.live && lay.lr == 0) {
       const long long at = ((bt + t) * Hv + h) * dv + lay.j0;
 #pragma unroll
@@ -310,14 +318,9 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
     }
     __syncthreads();
 #pragma unroll 1
-    for (int tt = 0; tt < tc; ++tt) {  // exactly step's position body (o only)
-      col.decay(ds[tt]);
-      float kv[CPT], ut[CPT], ot[CPT];
-      col.dot(ks[tt], kv, lay.lr);
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(bs[tt], __fsub_rn(vs[tt][jl + c], kv[c]));
-      col.add(ks[tt], ut, lay.lr);
-      col.dot(qs[tt], ot, lay.lr);
+    for (int tt = 0; tt < tc; ++tt) {  // step's position (o only)
+      float ut[CPT], ot[CPT];
+      col.position(ds[tt], bs[tt], ks[tt], qs[tt], &vs[tt][jl], lay.lr, ut, ot);
       if (lay.live && lay.lr == 0) {
         const long long at = ((bt + t0 + tt) * Hv + h) * dv + lay.j0;
 #pragma unroll

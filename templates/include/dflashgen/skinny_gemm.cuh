@@ -118,12 +118,7 @@ struct SkinnyGemm {
     const int tile_w = Cfg::X_SMEM && !active ? TILES - Cfg::WARP_NT : tile0;
 
     float acc[Cfg::WARP_NT][NT8][T::NACC];
-#pragma unroll
-    for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-      for (int j = 0; j < NT8; ++j)
-#pragma unroll
-        for (int e = 0; e < T::NACC; ++e) acc[i][j][e] = 0.0f;
+    each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
 
     // Batch rows past M read row M - 1 instead: an MMA's output column depends only on its own
     // B column, and those columns are never stored, so no per-row predicate is needed in the loop.
@@ -243,27 +238,13 @@ struct SkinnyGemm {
     // Intra-CTA K reduction in warp order.
     if constexpr (Cfg::WARPS_K > 1) {
       if constexpr (Cfg::X_SMEM) __syncthreads();  // `red` overlays the other workers' rings
-      if (wk > 0) {
-        int a = 0;
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-          for (int j = 0; j < NT8; ++j)
-#pragma unroll
-            for (int e = 0; e < T::NACC; ++e) smem.red[wk - 1][wn][a++][lane] = acc[i][j][e];
-      }
+      if (wk > 0)
+        each_acc([&](int i, int j, int e) { smem.red[wk - 1][wn][acc_index(i, j, e)][lane] = acc[i][j][e]; });
       __syncthreads();
       if (wk > 0) return;
 #pragma unroll 1
-      for (int w = 0; w < Cfg::WARPS_K - 1; ++w) {
-        int a = 0;
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-          for (int j = 0; j < NT8; ++j)
-#pragma unroll
-            for (int e = 0; e < T::NACC; ++e) acc[i][j][e] += smem.red[w][wn][a++][lane];
-      }
+      for (int w = 0; w < Cfg::WARPS_K - 1; ++w)
+        each_acc([&](int i, int j, int e) { acc[i][j][e] += smem.red[w][wn][acc_index(i, j, e)][lane]; });
     }
     if (!active) return;
 
@@ -272,49 +253,46 @@ struct SkinnyGemm {
       // the same outputs (one per CTA of the tile) sums them in split order z = 0..SPLIT_K-1 from
       // 0.0f -- its own read back as well (the bits it stored) -- and runs the epilogue on the sums:
       // the additions and their order of the former separate reduce kernel.
-#pragma unroll
-      for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT8; ++j)
-#pragma unroll
-          for (int e = 0; e < T::NACC; ++e) {
-            const int m = m0 + 8 * j + T::acc_mrow(e);
-            if (m >= M) continue;
-            const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-            partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
-          }
+      each_acc([&](int i, int j, int e) {
+        const int m = m0 + 8 * j + T::acc_mrow(e);
+        const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+        if (m < M) partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+      });
       if (!split_k_last(tickets, wn, lane)) return;
       // Opaque copies: without them the compiler hoisted the per-element addresses out of the
       // split loop below (r64 wgmma tiles: ~60 more registers).
       int t0 = tile0, r0 = m0;
       asm volatile("" : "+r"(t0), "+r"(r0));
-#pragma unroll
-      for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT8; ++j)
-#pragma unroll
-          for (int e = 0; e < T::NACC; ++e) acc[i][j][e] = 0.0f;
+      each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
       // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
       // tiles took up to 24 more registers).
 #pragma unroll 1
       for (int z = 0; z < Cfg::SPLIT_K; ++z) {
         const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i)
-#pragma unroll
-          for (int j = 0; j < NT8; ++j)
-#pragma unroll
-            for (int e = 0; e < T::NACC; ++e) {
-              const int m = r0 + 8 * j + T::acc_mrow(e);
-              const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-              if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
-            }
+        each_acc([&](int i, int j, int e) {
+          const int m = r0 + 8 * j + T::acc_mrow(e);
+          const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+          if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
+        });
       }
       epilogue(acc, t0, r0, M, col_scale, out);
     } else {
       epilogue(acc, tile0, m0, M, col_scale, out);
     }
   }
+
+  // f(i, j, e) for every accumulator element (warp tile i, 8-row block j, element e) in one fixed
+  // order, fully unrolled; acc_index: the element's slot in a flat [WARP_NT * NT8 * NACC] array.
+  template <class F>
+  __device__ __forceinline__ static void each_acc(F&& f) {
+#pragma unroll
+    for (int i = 0; i < Cfg::WARP_NT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) f(i, j, e);
+  }
+  __device__ __forceinline__ static constexpr int acc_index(int i, int j, int e) { return (i * NT8 + j) * T::NACC + e; }
 
   // Column scale (and SiLU(gate) * up for the fused variant) of the CTA's final FP32 sums, FP16 out.
   __device__ static void epilogue(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int tile0, int m0, int M,
