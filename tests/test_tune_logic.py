@@ -204,9 +204,7 @@ def test_prune_keeps_the_cost_model_leader() -> None:
 # the runtime refuses them until then (KernelLibrary: an error, or the fallback with
 # on_mismatch="fallback"). Add a table's name here with the change that made it stale; remove it
 # once `dflashgen tune` on that GPU has re-made and committed the table.
-# nvidia-h200.json: session 6 added x_smem r16 / r32 one-warp-per-K-worker tiles (96 KB rings in
-# dynamic shared memory) for the warps_k = 8 plans.
-PENDING_RETUNE: set[str] = {"nvidia-h200.json"}
+PENDING_RETUNE: set[str] = set()
 
 
 def test_committed_measured_tables_match_the_kernel_library() -> None:
