@@ -26,9 +26,17 @@
 //   SBO = 1024 B (8-row groups), LBO unused (1).
 // - MN-major (V as B, 16 tokens per k-step): start = token 16 ks (16 x 128 B), LBO = rows x 128 B
 //   (the next 64-column atom along N = D), SBO = 1024 B (the next 8 tokens along K).
+// (Checked against CuTe on the host: tests/wgmma_attention_layout.cpp.)
 // K/V tiles are copied global -> shared with 16-byte cp.async into the swizzled positions, STAGES
 // tiles in the ring; each thread fences its completed copies to the async proxy
 // (fence.proxy.async) before the barrier that precedes the wgmmas reading them.
+// Pipelines: STAGES == 2: QK -> softmax -> PV of each tile in order (the next tile's copies issue
+// under the QK); STAGES >= 3: FA3's intra-warpgroup overlap (QK of tile i, copies, PV of tile i - 1,
+// then the softmax of tile i under that PV), STAGES - 2 tiles of copies ahead. ptxas (13.0) keeps the
+// wgmmas unserialized only if no instruction between a wgmma and its wait writes its input
+// registers or reads its accumulators, and the softmax runs under the PV only if the P packing
+// (FP32 -> FP16 A fragments) follows the PV's wait: both checked on the SASS (no C7513 / C7514;
+// WARPGROUP.DEPBAR.LE gsb0 0x1 ... MUFU.EX2 ... 0x0).
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -87,6 +95,13 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
+}
+template <int K>
+__device__ __forceinline__ void fence_regs(u32 (&r)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(r[k][i]);
 }
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
@@ -233,17 +248,13 @@ struct VerifyAttentionWg {
 
     // Descriptors with the tile bases; k-steps add (byte offset >> 4) to the start-address field.
     const uint64_t dq = wgattn::desc_sw128(sq, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
-
-    for (int it = 0; it < tiles; ++it) {
-      wait<STAGES - 2>();  // this thread's copies of tile `it` landed
-      fence_async();
-      __syncthreads();     // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills below)
-      const u32 st = sst + (it % STAGES) * STAGE_BYTES;
-      const uint64_t dk = wgattn::desc_sw128(st, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
-      const uint64_t dv = wgattn::desc_sw128(st + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
-
-      // S = Q K^T (FP32), 16 k-steps of 16 halves of D.
-      float s[T / 2];
+    auto stage = [&](int tile) { return sst + (tile % STAGES) * STAGE_BYTES; };
+    auto load = [&](int tile) {  // tile's K and V into its ring slot (nothing past the split)
+      if (tile < tiles) load_tile(stage(tile), begin + tile * T, end, spages, pg0, kpool, vpool, block_stride, kh);
+    };
+    // S = Q K^T (FP32) of tile `tile`: 16 k-steps of 16 halves of D, one commit group.
+    auto qk_issue = [&](int tile, float (&s)[T / 2]) {
+      const uint64_t dk = wgattn::desc_sw128(stage(tile), wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -253,19 +264,30 @@ struct VerifyAttentionWg {
                            cute::make_index_sequence<T / 2>{});
       }
       cute::warpgroup_commit_batch();
-
-      // While the tensor cores work: the copies of tile it + STAGES - 1 into tile it - 1's slot.
-      if (it + STAGES - 1 < tiles)
-        load_tile(sst + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, begin + (it + STAGES - 1) * T, end, spages, pg0,
-                  kpool, vpool, block_stride, kh);
-      commit();
-
-      cute::warpgroup_wait<0>();
-      wgattn::fence_regs(s);
-
-      // Online softmax (exp2 domain): scale, causal mask (and the tile's tail), row max over the quad.
-      const int t0 = begin + it * T;
-      float mx[2] = {-DFG_INF, -DFG_INF};
+    };
+    // O = O * alpha (per row), then O += P V of tile `tile`: T / 16 k-steps of 16 tokens, one commit group.
+    auto pv_issue = [&](int tile, const u32 (&pa)[T / 16][4], const float (&alpha)[2]) {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+      }
+      const uint64_t dv = wgattn::desc_sw128(stage(tile) + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
+      wgattn::fence_regs(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < T / 16; ++ks)
+        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
+                        cute::make_index_sequence<128>{});
+      cute::warpgroup_commit_batch();
+    };
+    // Online softmax of tile `tile` (exp2 domain) on its S accumulator: scale, causal mask (and the tile's
+    // tail), row max / sum over the quad; P (FP32) in place of S, alpha = the O rescale.
+    auto softmax = [&](int tile, float (&s)[T / 2], float (&alpha)[2]) {
+      const int t0 = begin + tile * T;
+      float mx[2] = {-DFG_INF, -DFG_INF}, base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < T / 8; ++n)
 #pragma unroll
@@ -276,7 +298,6 @@ struct VerifyAttentionWg {
           s[4 * n + e] = x;
           mx[j] = fmaxf(mx[j], x);
         }
-      float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 1));
@@ -286,18 +307,16 @@ struct VerifyAttentionWg {
         alpha[j] = exp2f(m_run[j] - base[j]);
         m_run[j] = m_new;
       }
-      u32 pa[T / 16][4];
 #pragma unroll
       for (int n = 0; n < T / 8; ++n) {
-        const float p0 = exp2f(s[4 * n] - base[0]), p1 = exp2f(s[4 * n + 1] - base[0]);
-        const float p2 = exp2f(s[4 * n + 2] - base[1]), p3 = exp2f(s[4 * n + 3] - base[1]);
-        sum[0] += p0;
-        sum[0] += p1;
-        sum[1] += p2;
-        sum[1] += p3;
-        // The accumulator of 8-column block n is the A fragment's half (n & 1) of k-step n / 2.
-        pa[n >> 1][2 * (n & 1)] = wgattn::pack_half2(p0, p1);
-        pa[n >> 1][2 * (n & 1) + 1] = wgattn::pack_half2(p2, p3);
+        s[4 * n] = exp2f(s[4 * n] - base[0]);
+        s[4 * n + 1] = exp2f(s[4 * n + 1] - base[0]);
+        s[4 * n + 2] = exp2f(s[4 * n + 2] - base[1]);
+        s[4 * n + 3] = exp2f(s[4 * n + 3] - base[1]);
+        sum[0] += s[4 * n];
+        sum[0] += s[4 * n + 1];
+        sum[1] += s[4 * n + 2];
+        sum[1] += s[4 * n + 3];
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -305,22 +324,79 @@ struct VerifyAttentionWg {
         sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], 2);
         l_run[j] = l_run[j] * alpha[j] + sum[j];
       }
+    };
+    // P (FP32, the S accumulator layout) -> FP16 A fragments of the PV wgmma: the accumulator of
+    // 8-column block n is the A fragment's half (n & 1) of k-step n / 2 (FA3's register reuse).
+    auto pack = [&](const float (&p)[T / 2], u32 (&pa)[T / 16][4]) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
+      for (int n = 0; n < T / 8; ++n) {
+        pa[n >> 1][2 * (n & 1)] = wgattn::pack_half2(p[4 * n], p[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = wgattn::pack_half2(p[4 * n + 2], p[4 * n + 3]);
       }
+    };
 
-      // O += P V, T / 16 k-steps of 16 tokens.
-      wgattn::fence_regs(o);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < T / 16; ++ks)
-        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
-                        cute::make_index_sequence<128>{});
-      cute::warpgroup_commit_batch();
+    if constexpr (STAGES == 2) {
+      // In order: QK -> softmax -> PV, each waited; the next tile's copies issue under the QK.
+      for (int it = 0; it < tiles; ++it) {
+        wait<0>();       // this thread's copies of tile `it` landed
+        fence_async();
+        __syncthreads();  // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills)
+        float s[T / 2];
+        qk_issue(it, s);
+        load(it + 1);
+        commit();
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(s);
+        u32 pa[T / 16][4];
+        float alpha[2];
+        softmax(it, s, alpha);
+        pack(s, pa);
+        pv_issue(it, pa, alpha);
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(o);
+      }
+    } else {
+      // FA3's intra-warpgroup overlap: iteration `it` issues QK of tile `it`, then PV of tile it - 1 (its
+      // P and rescale from the previous softmax), and the softmax of tile `it` runs while that PV does.
+      // Copies: iteration it >= 1 refills tile it - 2's slot (every warp waited for PV(it - 2) before
+      // this iteration's barrier) with tile it + STAGES - 2: STAGES - 2 tiles ahead of the compute.
+      // Commit groups: STAGES - 1 in the prologue (tiles 0 .. STAGES - 2), then one per iteration
+      // (iteration 0's empty); tile `it` is in group it + 1 (or it): wait until <= STAGES - 3 pending.
+      static_assert(STAGES >= 3, "the overlapped loop keeps tiles it - 1 and `it` resident while it refills");
+      u32 pa[T / 16][4];
+      float alpha[2];
+      {
+        wait<STAGES - 2>();
+        fence_async();
+        __syncthreads();
+        float s[T / 2];
+        qk_issue(0, s);
+        commit();  // (empty: keeps one group per iteration)
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(s);
+        softmax(0, s, alpha);
+        pack(s, pa);
+      }
+      for (int it = 1; it < tiles; ++it) {
+        wait<STAGES - 3>();
+        fence_async();
+        __syncthreads();
+        float s[T / 2];
+        qk_issue(it, s);
+        load(it + STAGES - 2);
+        commit();
+        pv_issue(it - 1, pa, alpha);
+        cute::warpgroup_wait<1>();  // QK of tile `it` (PV of tile it - 1 may still run)
+        wgattn::fence_regs(s);
+        float an[2];
+        softmax(it, s, an);  // in the S registers: PV(it - 1) still reads pa
+        cute::warpgroup_wait<0>();  // PV of tile it - 1: its slot is free after the next barrier
+        wgattn::fence_regs(o);
+        pack(s, pa);  // (packing before this wait made ptxas wait for PV(it - 1) before the softmax)
+        alpha[0] = an[0];
+        alpha[1] = an[1];
+      }
+      pv_issue(tiles - 1, pa, alpha);
       cute::warpgroup_wait<0>();
       wgattn::fence_regs(o);
     }
