@@ -96,8 +96,10 @@ class AttnSpec:
         """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM, or VerifyAttentionWg::SMEM for
         wg: 1 KB alignment slack, Q of 64 rows, the K/V ring, page ids; the template asserts it)."""
         pages_bytes = (((self.split + self.page - 1) // self.page + 1) * 4 + 15) // 16 * 16
-        if self.wg:
-            return 1024 + WG_ROWS * self.d * 2 + self.stages * 2 * self.tile * self.d * 2 + pages_bytes
+        if self.wg:  # FP8: the ring as stored + 1 (stages 2) or 2 decoded FP16 K/V tile pairs
+            kvb, ncvt = (2, 0) if self.kv == "fp16" else (1, 1 if self.stages == 2 else 2)
+            return (1024 + WG_ROWS * self.d * 2 + self.stages * 2 * self.tile * self.d * kvb
+                    + ncvt * 2 * self.tile * self.d * 2 + pages_bytes)
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
         teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
         pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids
@@ -166,8 +168,6 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
     if spec.wg:
         if spec.arch != 90:
             raise AttnScheduleError(f"{spec.name}: wg: 1 (wgmma) exists on sm_90 only, not sm_{spec.arch}")
-        if spec.kv != "fp16":
-            raise AttnScheduleError(f"{spec.name}: the wgmma kernel reads FP16 KV only (FP8: not yet)")
         if spec.kvg != 1 or spec.hs != 1 or spec.ds != 1:
             raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes no kvg / hs / ds (one warpgroup per CTA)")
         if spec.rows > WG_ROWS or spec.rows % 8:
@@ -221,7 +221,8 @@ def specs() -> list[AttnSpec]:
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
                     for var, default in variants:
-                        if (not default or var.get("wg")) and (kv != "fp16" or page != 16):
+                        # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes
+                        if (not default or var.get("wg")) and (page != 16 or kv not in var.get("kv", ["fp16"])):
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),

@@ -120,7 +120,6 @@ struct VerifyAttentionWg {
   static constexpr int M = 64;                // wgmma M: rows ROWS .. 63 are padding
   static constexpr int THREADS = 128;         // one warpgroup
   static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
-  static_assert(Cfg::KV == KvType::FP16, "the wgmma kernel reads FP16 KV (FP8: not yet)");
   static_assert(Cfg::KVG == 1 && Cfg::HS == 1 && Cfg::DS == 1, "the wgmma kernel has no kvg / hs / ds");
   static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
   static_assert(ROWS <= M && ROWS % 8 == 0, "one warpgroup of 64 rows per KV group");
@@ -128,15 +127,28 @@ struct VerifyAttentionWg {
   static_assert(SPLIT % T == 0 && Cfg::MIN_SPLIT % T == 0 && STAGES >= 2, "tile shape / ring");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
 
-  // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) | page ids.
+  // FP8 KV (E5M2 / E4M3): the ring holds the tiles as stored (rows of RAW_CH 16-byte chunks, chunk c
+  // of token t at c ^ (t & 7)); each tile is decoded exactly to FP16 (E4M3: value x 2^-8, the runtime
+  // folds 2^8 into the scales) into the swizzled K / V layout wgmma reads, NCVT such buffers (the
+  // overlapped loop reads tile i's K and tile i - 1's V at once).
+  static constexpr bool FP8 = Cfg::KV != KvType::FP16;
+  static constexpr int KV_BYTES = FP8 ? 1 : 2;
+  static constexpr int RAW_CH = D * KV_BYTES / 16;  // 16-byte chunks per stored row
+
+  // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) as stored |
+  // NCVT x (K, V) decoded to FP16 (FP8 only) | page ids.
   static constexpr int Q_BYTES = M * D * 2;
-  static constexpr int KV_TILE = T * D * 2;
-  static constexpr int STAGE_BYTES = 2 * KV_TILE;
+  static constexpr int KV_TILE = T * D * 2;          // an FP16 K or V tile, as wgmma reads it
+  static constexpr int RAW_TILE = T * D * KV_BYTES;  // a K or V tile as stored
+  static constexpr int STAGE_BYTES = 2 * RAW_TILE;
+  static constexpr int NCVT = FP8 ? (STAGES == 2 ? 1 : 2) : 0;
+  static constexpr int CVT_BYTES = NCVT * 2 * KV_TILE;
   static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
   static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
   static constexpr int ALIGN = 1024;
-  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + TB_BYTES;
-  static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0, "swizzle blocks stay 1024-byte aligned");
+  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES;
+  static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0 && RAW_TILE % ALIGN == 0,
+                "swizzle blocks stay 1024-byte aligned");
 
   __device__ static void copy16(u32 dst, const char* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -149,13 +161,13 @@ struct VerifyAttentionWg {
   __device__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
   // K and V tokens [t0, t0 + T) of this request (zeros past `end` or on a bad page) into the stage
-  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % CH of tokens
-  // i / CH, + THREADS / CH, ...: one page lookup and one offset per token serve its K and V chunk.
+  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % RAW_CH of tokens
+  // i / RAW_CH, + THREADS / RAW_CH, ...: one page lookup and one offset per token serve its K and V chunk.
   __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
                                    const char* vb, long long block_stride, int kh) {
-    constexpr int TSTEP = THREADS / CH;  // tokens per round
-    static_assert(THREADS % CH == 0 && T % TSTEP == 0, "whole rounds of copies");
-    const int c = threadIdx.x % CH, tok0 = threadIdx.x / CH;
+    constexpr int TSTEP = THREADS / RAW_CH;  // tokens per round
+    static_assert(THREADS % RAW_CH == 0 && T % TSTEP == 0, "whole rounds of copies");
+    const int c = threadIdx.x % RAW_CH, tok0 = threadIdx.x / RAW_CH;
 #pragma unroll
     for (int k = 0; k < T / TSTEP; ++k) {
       const int tok = tok0 + TSTEP * k, pos = t0 + tok;
@@ -164,10 +176,31 @@ struct VerifyAttentionWg {
       const int blk = pages[pos / PAGE - pg0];
       const bool ok = pos < end && blk >= 0;
       const long long off =
-          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * 2 + 16 * c : 0;
-      const u32 dst = st + wgattn::sw128_off<T>(tok, c);
+          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c : 0;
+      const u32 dst = st + (FP8 ? 16 * swz<RAW_CH>(tok, c) : wgattn::sw128_off<T>(tok, c));
       copy16(dst, kb + off, ok);
-      copy16(dst + KV_TILE, vb + off, ok);
+      copy16(dst + RAW_TILE, vb + off, ok);
+    }
+  }
+
+  // FP8 stage `raw` -> FP16 K and V tiles at `cvt` in the wgmma layout (exact). Then, by every writing
+  // thread: fence.proxy.async (st.shared -> wgmma) before the barrier.
+  __device__ static void decode_tile(const char* raw, char* cvt) {
+    constexpr int N = 2 * T * RAW_CH;
+    static_assert(N % THREADS == 0, "whole rounds of decodes");
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < N; idx += THREADS) {
+      const int which = idx / (T * RAW_CH), rem = idx % (T * RAW_CH);
+      const int tok = rem / RAW_CH, c = rem % RAW_CH;
+      const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
+      uint4 lo, hi;
+      fp8x4_to_half<Cfg::KV>(w.x, lo.x, lo.y);
+      fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
+      fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
+      fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
+      char* dst = cvt + which * KV_TILE;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok, 2 * c + 1)) = hi;
     }
   }
 
@@ -199,7 +232,7 @@ struct VerifyAttentionWg {
     const int pad = static_cast<int>((ALIGN - (raw_addr & (ALIGN - 1))) & (ALIGN - 1));
     char* smem = smem_raw + pad;
     const u32 sq = raw_addr + pad, sst = sq + Q_BYTES;
-    int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);
+    int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES);
 
     // The split's page ids, checked once (bad ones flag the error and read as zeros).
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
@@ -252,9 +285,26 @@ struct VerifyAttentionWg {
     auto load = [&](int tile) {  // tile's K and V into its ring slot (nothing past the split)
       if (tile < tiles) load_tile(stage(tile), begin + tile * T, end, spages, pg0, kpool, vpool, block_stride, kh);
     };
+    // The FP16 K tile wgmma reads (its V tile follows): the ring slot, or (FP8) the decode buffer.
+    constexpr int CVT_OFF = Q_BYTES + STAGES * STAGE_BYTES;
+    auto kv = [&](int tile) -> u32 {
+      if constexpr (FP8) return sq + CVT_OFF + (NCVT > 1 ? tile % NCVT : 0) * 2 * KV_TILE;
+      else return stage(tile);
+    };
+    // Tile `tile` landed (this thread's copies: the caller waited) -> visible to every thread and to
+    // wgmma; FP8: decoded first (its buffer's previous tile was waited for before the caller's wait).
+    auto ready = [&](int tile) {
+      fence_async();
+      __syncthreads();
+      if constexpr (FP8) {
+        decode_tile(smem + Q_BYTES + (tile % STAGES) * STAGE_BYTES, smem + (kv(tile) - sq));
+        fence_async();
+        __syncthreads();
+      }
+    };
     // S = Q K^T (FP32) of tile `tile`: 16 k-steps of 16 halves of D, one commit group.
     auto qk_issue = [&](int tile, float (&s)[T / 2]) {
-      const uint64_t dk = wgattn::desc_sw128(stage(tile), wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
+      const uint64_t dk = wgattn::desc_sw128(kv(tile), wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -274,7 +324,7 @@ struct VerifyAttentionWg {
         o[4 * n + 2] *= alpha[1];
         o[4 * n + 3] *= alpha[1];
       }
-      const uint64_t dv = wgattn::desc_sw128(stage(tile) + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
+      const uint64_t dv = wgattn::desc_sw128(kv(tile) + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
       wgattn::fence_regs(o);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -338,9 +388,8 @@ struct VerifyAttentionWg {
     if constexpr (STAGES == 2) {
       // In order: QK -> softmax -> PV, each waited; the next tile's copies issue under the QK.
       for (int it = 0; it < tiles; ++it) {
-        wait<0>();       // this thread's copies of tile `it` landed
-        fence_async();
-        __syncthreads();  // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills)
+        wait<0>();  // this thread's copies of tile `it` landed
+        ready(it);  // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills)
         float s[T / 2];
         qk_issue(it, s);
         load(it + 1);
@@ -367,8 +416,7 @@ struct VerifyAttentionWg {
       float alpha[2];
       {
         wait<STAGES - 2>();
-        fence_async();
-        __syncthreads();
+        ready(0);
         float s[T / 2];
         qk_issue(0, s);
         commit();  // (empty: keeps one group per iteration)
@@ -379,8 +427,7 @@ struct VerifyAttentionWg {
       }
       for (int it = 1; it < tiles; ++it) {
         wait<STAGES - 3>();
-        fence_async();
-        __syncthreads();
+        ready(it);
         float s[T / 2];
         qk_issue(it, s);
         load(it + STAGES - 2);
