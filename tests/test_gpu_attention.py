@@ -7,8 +7,9 @@ threshold: accuracy, bitwise invariance, graph replay across a threshold, long r
 grid order (split index slowest, sized for the table's capacity) vs per-request launches.
 
 Tests parametrized by `kind` run the served schedule ("served") and the sm_90a warpgroup-MMA kernel
-("wg": the wg: 1 candidate with the served split rule, page 16, FP16 or FP8 KV; skipped elsewhere)
-through the same checks; the wg kernel's accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
+("wg" / "wg4": the wg: 1 candidates with the served split rule, stages 2 (in-order loop) / 4 (FA3's
+overlapped loop), page 16, FP16 or FP8 KV; skipped elsewhere) through the same checks; the wg
+kernels' accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.gpu
 HEADS = [(24, 4), (6, 1)]
 DTYPES = [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 CONTEXTS = {1: [32760], 2: [1, 5000], 4: [7, 16, 1000, 16384], 8: [1, 2, 15, 64, 255, 511, 2049, 9000]}
-KINDS = ["served", "wg"]
+KINDS = ["served", "wg", "wg4"]  # wg: the in-order loop (st2); wg4: FA3's overlapped loop (st4)
 WG_REL = 1e-3  # rel. L2 bound of the wgmma kernel vs the FP32 reference
 
 
@@ -43,7 +44,8 @@ def _archs() -> list[int]:
 
 
 def _kernel(kind: str, arch: int, hq: int, hkv: int, dtype: torch.dtype = torch.float16, page: int = 16) -> str | None:
-    """The kernel name a test runs: None (the served schedule) or the wg candidate with the served rule."""
+    """The kernel name a test runs: None (the served schedule) or the wg candidate with the served rule
+    (t32; "wg": stages 2, "wg4": the most stages)."""
     if kind == "served":
         return None
     if arch != 90 or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9):
@@ -56,7 +58,8 @@ def _kernel(kind: str, arch: int, hq: int, hkv: int, dtype: torch.dtype = torch.
     served = select_kernel(90, hq, hkv, 256, kv, 16)
     found = sorted((e for e in attention_entries() if e.get("wg") and e["arch"] == 90 and e["hq"] == hq
                     and e["hkv"] == hkv and e["kv"] == kv and e["page"] == 16 and e["split"] == served["split"]
-                    and e.get("short") == served.get("short")), key=lambda e: (e["tile"] != 32, e["stages"], e["name"]))
+                    and e.get("short") == served.get("short")),
+                   key=lambda e: (e["tile"] != 32, e["stages"] if kind == "wg" else -e["stages"], e["name"]))
     assert found, f"no wg candidate with the served split rule for {hq}/{hkv} heads, {kv} KV"
     return found[0]["name"]
 
