@@ -162,24 +162,44 @@ struct VerifyAttentionWg {
 
   // K and V tokens [t0, t0 + T) of this request (zeros past `end` or on a bad page) into the stage
   // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % RAW_CH of tokens
-  // i / RAW_CH, + THREADS / RAW_CH, ...: one page lookup and one offset per token serve its K and V chunk.
+  // i / RAW_CH, + THREADS / RAW_CH, ...; the K and V chunks of a token share one offset. (A page index
+  // pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's pages
+  // is never used.) Branch-free: a masked chunk's copy reads 0 bytes (from the pool base).
   __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
                                    const char* vb, long long block_stride, int kh) {
     constexpr int TSTEP = THREADS / RAW_CH;  // tokens per round
     static_assert(THREADS % RAW_CH == 0 && T % TSTEP == 0, "whole rounds of copies");
     const int c = threadIdx.x % RAW_CH, tok0 = threadIdx.x / RAW_CH;
-#pragma unroll
-    for (int k = 0; k < T / TSTEP; ++k) {
-      const int tok = tok0 + TSTEP * k, pos = t0 + tok;
-      // (pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's
-      // pages is never used.) Branch-free: the address is formed, the copy of a masked chunk reads 0 bytes.
-      const int blk = pages[pos / PAGE - pg0];
-      const bool ok = pos < end && blk >= 0;
-      const long long off =
-          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * KV_BYTES + 16 * c : 0;
+    constexpr long long ROW = static_cast<long long>(HKV) * D * KV_BYTES;  // bytes per token row of a page
+    const long long row0 = static_cast<long long>(kh) * D * KV_BYTES + 16 * c;
+    auto copy_kv = [&](int tok, bool ok, long long off) {
       const u32 dst = st + (FP8 ? 16 * swz<RAW_CH>(tok, c) : wgattn::sw128_off<T>(tok, c));
-      copy16(dst, kb + off, ok);
-      copy16(dst + RAW_TILE, vb + off, ok);
+      copy16(dst, kb + (ok ? off : 0), ok);
+      copy16(dst + RAW_TILE, vb + (ok ? off : 0), ok);
+    };
+    if constexpr (T % PAGE == 0 && PAGE % TSTEP == 0) {
+      // t0 is a multiple of T, so of PAGE: the tile is T / PAGE whole pages, and this thread's tokens
+      // tok0 + TSTEP k sit in page k / KP at row tok0 + TSTEP (k % KP): one page id and one 64-bit
+      // base per page, compile-time row offsets.
+      constexpr int KP = PAGE / TSTEP;  // this thread's tokens per page
+      const int pg_first = t0 / PAGE - pg0;
+#pragma unroll
+      for (int p = 0; p < T / PAGE; ++p) {
+        const int blk = pages[pg_first + p];
+        const long long base = blk * block_stride * KV_BYTES + tok0 * ROW + row0;
+#pragma unroll
+        for (int kk = 0; kk < KP; ++kk) {
+          const int tok = tok0 + TSTEP * (p * KP + kk);
+          copy_kv(tok, t0 + tok < end && blk >= 0, base + TSTEP * kk * ROW);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < T / TSTEP; ++k) {
+        const int tok = tok0 + TSTEP * k, pos = t0 + tok;
+        const int blk = pages[pos / PAGE - pg0];
+        copy_kv(tok, pos < end && blk >= 0, blk * block_stride * KV_BYTES + (pos % PAGE) * ROW + row0);
+      }
     }
   }
 
@@ -316,13 +336,16 @@ struct VerifyAttentionWg {
       cute::warpgroup_commit_batch();
     };
     // O = O * alpha (per row), then O += P V of tile `tile`: T / 16 k-steps of 16 tokens, one commit group.
+    // (x 1.0 is exact: a warp whose rows' maxima did not move skips the 128 multiplies, same bits.)
     auto pv_issue = [&](int tile, const u32 (&pa)[T / 16][4], const float (&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
+        for (int n = 0; n < 32; ++n) {
+          o[4 * n] *= alpha[0];
+          o[4 * n + 1] *= alpha[0];
+          o[4 * n + 2] *= alpha[1];
+          o[4 * n + 3] *= alpha[1];
+        }
       }
       const uint64_t dv = wgattn::desc_sw128(kv(tile) + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
       wgattn::fence_regs(o);
