@@ -118,9 +118,12 @@ struct VerifyAttentionWg {
   static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
   static constexpr int ROWS = GROUP * QROWS;  // real query rows of the KV group
   static constexpr int M = 64;                // wgmma M: rows ROWS .. 63 are padding
-  static constexpr int THREADS = 128;         // one warpgroup
+  // KVG token groups = warpgroups: a ring stage holds KVG tiles, warpgroup g takes tile g of every stage
+  // with its own softmax state; the groups' (max, sum, O) are combined in group order at the end.
+  static constexpr int KVG = Cfg::KVG, TT = KVG * T;
+  static constexpr int THREADS = 128 * KVG;
   static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
-  static_assert(Cfg::KVG == 1 && Cfg::HS == 1 && Cfg::DS == 1, "the wgmma kernel has no kvg / hs / ds");
+  static_assert((KVG == 1 || KVG == 2) && Cfg::HS == 1 && Cfg::DS == 1, "wgmma kernel: kvg 1 or 2, no hs / ds");
   static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
   static_assert(ROWS <= M && ROWS % 8 == 0, "one warpgroup of 64 rows per KV group");
   static_assert(T == 16 || T == 32 || T == 64, "tile: wgmma N of the QK step");
@@ -138,17 +141,23 @@ struct VerifyAttentionWg {
   // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) as stored |
   // NCVT x (K, V) decoded to FP16 (FP8 only) | page ids.
   static constexpr int Q_BYTES = M * D * 2;
-  static constexpr int KV_TILE = T * D * 2;          // an FP16 K or V tile, as wgmma reads it
-  static constexpr int RAW_TILE = T * D * KV_BYTES;  // a K or V tile as stored
+  // A stage: the K of its KVG tiles, then their V. FP16: tile g's K at + g x KV_TILE in the wgmma
+  // layout, V at + RAW_TILE + g x KV_TILE. FP8: TT token rows as stored; decoded (the same layout as an
+  // FP16 stage) into a CVT buffer.
+  static constexpr int KV_TILE = T * D * 2;           // one FP16 K or V tile, as wgmma reads it
+  static constexpr int RAW_TILE = TT * D * KV_BYTES;  // the K (or V) of a stage as stored
   static constexpr int STAGE_BYTES = 2 * RAW_TILE;
   static constexpr int NCVT = FP8 ? (STAGES == 2 ? 1 : 2) : 0;
-  static constexpr int CVT_BYTES = NCVT * 2 * KV_TILE;
+  static constexpr int CVT_BYTES = NCVT * 2 * KVG * KV_TILE;
   static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
   static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
   static constexpr int ALIGN = 1024;
   static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES;
   static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0 && RAW_TILE % ALIGN == 0,
                 "swizzle blocks stay 1024-byte aligned");
+  // Group combine: group 1 parks O (128 floats per thread) and (max, sum) per row in the idle ring.
+  static constexpr int X_BYTES = KVG > 1 ? 128 * 128 * 4 + M * 2 * 4 : 0;
+  static_assert(X_BYTES <= STAGES * STAGE_BYTES + CVT_BYTES, "group combine buffer exceeds the ring");
 
   __device__ static void copy16(u32 dst, const char* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -168,23 +177,23 @@ struct VerifyAttentionWg {
   __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
                                    const char* vb, long long block_stride, int kh) {
     constexpr int TSTEP = THREADS / RAW_CH;  // tokens per round
-    static_assert(THREADS % RAW_CH == 0 && T % TSTEP == 0, "whole rounds of copies");
+    static_assert(THREADS % RAW_CH == 0 && TT % TSTEP == 0 && T % TSTEP == 0, "whole rounds of copies");
     const int c = threadIdx.x % RAW_CH, tok0 = threadIdx.x / RAW_CH;
     constexpr long long ROW = static_cast<long long>(HKV) * D * KV_BYTES;  // bytes per token row of a page
     const long long row0 = static_cast<long long>(kh) * D * KV_BYTES + 16 * c;
-    auto copy_kv = [&](int tok, bool ok, long long off) {
-      const u32 dst = st + (FP8 ? 16 * swz<RAW_CH>(tok, c) : wgattn::sw128_off<T>(tok, c));
+    auto copy_kv = [&](int tok, bool ok, long long off) {  // tok: 0 .. TT - 1 (tile tok / T)
+      const u32 dst = st + (FP8 ? 16 * swz<RAW_CH>(tok, c) : (tok / T) * KV_TILE + wgattn::sw128_off<T>(tok % T, c));
       copy16(dst, kb + (ok ? off : 0), ok);
       copy16(dst + RAW_TILE, vb + (ok ? off : 0), ok);
     };
     if constexpr (T % PAGE == 0 && PAGE % TSTEP == 0) {
-      // t0 is a multiple of T, so of PAGE: the tile is T / PAGE whole pages, and this thread's tokens
+      // t0 is a multiple of TT, so of PAGE: the stage is TT / PAGE whole pages, and this thread's tokens
       // tok0 + TSTEP k sit in page k / KP at row tok0 + TSTEP (k % KP): one page id and one 64-bit
       // base per page, compile-time row offsets.
       constexpr int KP = PAGE / TSTEP;  // this thread's tokens per page
       const int pg_first = t0 / PAGE - pg0;
 #pragma unroll
-      for (int p = 0; p < T / PAGE; ++p) {
+      for (int p = 0; p < TT / PAGE; ++p) {
         const int blk = pages[pg_first + p];
         const long long base = blk * block_stride * KV_BYTES + tok0 * ROW + row0;
 #pragma unroll
@@ -195,7 +204,7 @@ struct VerifyAttentionWg {
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < T / TSTEP; ++k) {
+      for (int k = 0; k < TT / TSTEP; ++k) {
         const int tok = tok0 + TSTEP * k, pos = t0 + tok;
         const int blk = pages[pos / PAGE - pg0];
         copy_kv(tok, pos < end && blk >= 0, blk * block_stride * KV_BYTES + (pos % PAGE) * ROW + row0);
@@ -206,11 +215,11 @@ struct VerifyAttentionWg {
   // FP8 stage `raw` -> FP16 K and V tiles at `cvt` in the wgmma layout (exact). Then, by every writing
   // thread: fence.proxy.async (st.shared -> wgmma) before the barrier.
   __device__ static void decode_tile(const char* raw, char* cvt) {
-    constexpr int N = 2 * T * RAW_CH;
+    constexpr int N = 2 * TT * RAW_CH;
     static_assert(N % THREADS == 0, "whole rounds of decodes");
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < N; idx += THREADS) {
-      const int which = idx / (T * RAW_CH), rem = idx % (T * RAW_CH);
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
       const int tok = rem / RAW_CH, c = rem % RAW_CH;
       const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
       uint4 lo, hi;
@@ -218,9 +227,9 @@ struct VerifyAttentionWg {
       fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
       fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
       fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
-      char* dst = cvt + which * KV_TILE;
-      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok, 2 * c)) = lo;
-      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok, 2 * c + 1)) = hi;
+      char* dst = cvt + (which * KVG + tok / T) * KV_TILE;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c + 1)) = hi;
     }
   }
 
@@ -245,7 +254,7 @@ struct VerifyAttentionWg {
     }
     const int size = Cfg::split_for(len), begin = split * size;
     if (begin >= len) return;
-    const int end = min(begin + size, len), tiles = (end - begin + T - 1) / T;
+    const int end = min(begin + size, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
 
     // 1024-byte aligned base (the 128-byte swizzle pattern is on absolute shared addresses).
     const u32 raw_addr = smem_addr(smem_raw);
@@ -273,7 +282,7 @@ struct VerifyAttentionWg {
     // Pipeline prologue, then Q (zeros for padded rows and rows past nq) while the copies fly.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * T, end, spages, pg0, kpool, vpool, block_stride, kh);
+      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
       commit();
     }
     for (int idx = threadIdx.x; idx < M * CH; idx += THREADS) {
@@ -287,7 +296,8 @@ struct VerifyAttentionWg {
 
     // Thread (warp w, g = lane / 4, t = lane % 4) holds accumulator rows 16 w + g (j = 0) and
     // 16 w + g + 8 (j = 1), columns 8 n + 2 t, + 1 of every 8-column block n.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int grp = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+              tq = lane & 3;  // token group (warpgroup), warp in it
     int limit[2];  // last visible position of each row (padded rows: all; rows past nq as VerifyAttention)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -302,13 +312,14 @@ struct VerifyAttentionWg {
     // Descriptors with the tile bases; k-steps add (byte offset >> 4) to the start-address field.
     const uint64_t dq = wgattn::desc_sw128(sq, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
     auto stage = [&](int tile) { return sst + (tile % STAGES) * STAGE_BYTES; };
-    auto load = [&](int tile) {  // tile's K and V into its ring slot (nothing past the split)
-      if (tile < tiles) load_tile(stage(tile), begin + tile * T, end, spages, pg0, kpool, vpool, block_stride, kh);
+    // (`tile` below: a stage of KVG tiles; this warpgroup's is tile grp of it.)
+    auto load = [&](int tile) {  // the stage's K and V into its ring slot (nothing past the split)
+      if (tile < tiles) load_tile(stage(tile), begin + tile * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
     };
-    // The FP16 K tile wgmma reads (its V tile follows): the ring slot, or (FP8) the decode buffer.
+    // The FP16 K tiles wgmma reads (then the V tiles): the ring slot, or (FP8) the decode buffer.
     constexpr int CVT_OFF = Q_BYTES + STAGES * STAGE_BYTES;
     auto kv = [&](int tile) -> u32 {
-      if constexpr (FP8) return sq + CVT_OFF + (NCVT > 1 ? tile % NCVT : 0) * 2 * KV_TILE;
+      if constexpr (FP8) return sq + CVT_OFF + (NCVT > 1 ? tile % NCVT : 0) * 2 * KVG * KV_TILE;
       else return stage(tile);
     };
     // Tile `tile` landed (this thread's copies: the caller waited) -> visible to every thread and to
@@ -324,7 +335,7 @@ struct VerifyAttentionWg {
     };
     // S = Q K^T (FP32) of tile `tile`: 16 k-steps of 16 halves of D, one commit group.
     auto qk_issue = [&](int tile, float (&s)[T / 2]) {
-      const uint64_t dk = wgattn::desc_sw128(kv(tile), wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
+      const uint64_t dk = wgattn::desc_sw128(kv(tile) + grp * KV_TILE, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -347,7 +358,8 @@ struct VerifyAttentionWg {
           o[4 * n + 3] *= alpha[1];
         }
       }
-      const uint64_t dv = wgattn::desc_sw128(kv(tile) + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
+      const uint64_t dv =
+          wgattn::desc_sw128(kv(tile) + (KVG + grp) * KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
       wgattn::fence_regs(o);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -359,7 +371,7 @@ struct VerifyAttentionWg {
     // Online softmax of tile `tile` (exp2 domain) on its S accumulator: scale, causal mask (and the tile's
     // tail), row max / sum over the quad; P (FP32) in place of S, alpha = the O rescale.
     auto softmax = [&](int tile, float (&s)[T / 2], float (&alpha)[2]) {
-      const int t0 = begin + tile * T;
+      const int t0 = begin + tile * TT + grp * T;
       float mx[2] = {-DFG_INF, -DFG_INF}, base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < T / 8; ++n)
@@ -471,6 +483,42 @@ struct VerifyAttentionWg {
       wgattn::fence_regs(o);
     }
     wait<0>();
+    if constexpr (KVG > 1) {
+      // Group 1 hands its (max, sum, O) to group 0 through the idle ring; group 0 combines them. Thread
+      // i of either group holds the same accumulator elements (rows, columns).
+      __syncthreads();  // every warpgroup's last PV done: the ring is idle
+      float* xo = reinterpret_cast<float*>(smem + Q_BYTES);  // [128 elements][128 threads]
+      float* xml = xo + 128 * 128;                           // [64 rows][max, sum]
+      const int ti = threadIdx.x & 127;
+      if (grp == 1) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) xo[i * 128 + ti] = o[i];
+        if (tq == 0)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            xml[(16 * warp + g + 8 * j) * 2] = m_run[j];
+            xml[(16 * warp + g + 8 * j) * 2 + 1] = l_run[j];
+          }
+      }
+      __syncthreads();
+      if (grp > 0) return;
+      float w0[2], w1[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m1 = xml[(16 * warp + g + 8 * j) * 2], l1 = xml[(16 * warp + g + 8 * j) * 2 + 1];
+        const float mx = fmaxf(m_run[j], m1);
+        const float base = mx == -DFG_INF ? 0.0f : mx;  // a row neither group saw stays at -inf
+        w0[j] = exp2f(m_run[j] - base);
+        w1[j] = exp2f(m1 - base);
+        l_run[j] = l_run[j] * w0[j] + l1 * w1[j];
+        m_run[j] = mx;
+      }
+#pragma unroll
+      for (int i = 0; i < 128; ++i) {
+        const int j = (i >> 1) & 1;
+        o[i] = o[i] * w0[j] + xo[i * 128 + ti] * w1[j];
+      }
+    }
 
     // Partial results of this split (real rows only): unnormalised O, (max, sum) per row (log2 units).
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
