@@ -9,7 +9,8 @@
 //
 // One warpgroup (128 threads, 4 warps) owns all ROWS = GROUP x QROWS (<= 64) query rows of the KV
 // group, padded to the wgmma M of 64 (padded rows: zero Q, every token visible, finite, never
-// written). Per tile of T tokens:
+// written); KVG = 2 runs two such warpgroups on alternate tiles (token groups, each with its own
+// softmax state, combined at the end of the split). Per tile of T tokens:
 //   S[64 x T]   = Q K^T   wgmma m64nTk16, A = Q and B = K both from shared memory (K-major),
 //   online softmax on the S accumulator in registers (FP32, exp2 domain, quad shuffles),
 //   O[64 x 256] += P V    wgmma m64n256k16, A = P (FP16) from registers (the S accumulator layout is
@@ -32,7 +33,7 @@
 // (fence.proxy.async) before the barrier that precedes the wgmmas reading them.
 // Pipelines: STAGES == 2: QK -> softmax -> PV of each tile in order (the next tile's copies issue
 // under the QK); STAGES >= 3: FA3's intra-warpgroup overlap (QK of tile i, copies, PV of tile i - 1,
-// then the softmax of tile i under that PV), STAGES - 2 tiles of copies ahead. ptxas (13.0) keeps the
+// then the softmax of tile i under that PV), STAGES - 2 stages of copies ahead. ptxas (12.9, 13.0) keeps the
 // wgmmas unserialized only if no instruction between a wgmma and its wait writes its input
 // registers or reads its accumulators, and the softmax runs under the PV only if the P packing
 // (FP32 -> FP16 A fragments) follows the PV's wait: both checked on the SASS (no C7513 / C7514;
