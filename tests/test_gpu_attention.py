@@ -9,8 +9,7 @@ grid order (split index slowest, sized for the table's capacity) vs per-request 
 Tests parametrized by `kind` run the served schedule ("served") and the sm_90a warpgroup-MMA kernel
 ("wg" / "wg4" / "wg2": the wg: 1 candidates with the served split rule: t32 stages 2 (in-order loop) /
 4 (FA3's overlapped loop) / two warpgroups (kvg 2, t16 st4); page 16, FP16 (and FP8 for wg, wg4) KV;
-skipped elsewhere) through the same checks; the wg
-kernels' accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
+skipped elsewhere) through the same checks; their accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
 
 from __future__ import annotations
 
