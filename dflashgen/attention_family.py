@@ -50,7 +50,7 @@ class AttnSpec:
     hs: int = 1  # CTAs per (request, KV head, split), each a part of the group's query rows
     ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
     short: tuple[tuple[int, int], ...] = ()  # split rule tiers (max length, split) below `split`
-    wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg = hs = ds = 1
+    wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg 1 / 2 warpgroups; hs = ds = 1
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
 
@@ -82,7 +82,7 @@ class AttnSpec:
     @property
     def threads(self) -> int:
         if self.wg:
-            return 128  # one warpgroup
+            return 128 * self.kvg  # one warpgroup per token group
         return 32 * (self.cta_rows // 16) * self.kvg * self.ds
 
     @property
@@ -96,8 +96,11 @@ class AttnSpec:
         """Dynamic shared memory in bytes (mirrors VerifyAttention::SMEM, or VerifyAttentionWg::SMEM for
         wg: 1 KB alignment slack, Q of 64 rows, the K/V ring, page ids; the template asserts it)."""
         pages_bytes = (((self.split + self.page - 1) // self.page + 1) * 4 + 15) // 16 * 16
-        if self.wg:
-            return 1024 + WG_ROWS * self.d * 2 + self.stages * 2 * self.tile * self.d * 2 + pages_bytes
+        if self.wg:  # FP8: the ring as stored + 1 (stages 2) or 2 decoded FP16 stages of K/V tiles
+            kvb, ncvt = (2, 0) if self.kv == "fp16" else (1, 1 if self.stages == 2 else 2)
+            tt = self.tile * self.kvg
+            return (1024 + WG_ROWS * self.d * 2 + self.stages * 2 * tt * self.d * kvb
+                    + ncvt * 2 * tt * self.d * 2 + pages_bytes)
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
         teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
         pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids
@@ -166,10 +169,8 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
     if spec.wg:
         if spec.arch != 90:
             raise AttnScheduleError(f"{spec.name}: wg: 1 (wgmma) exists on sm_90 only, not sm_{spec.arch}")
-        if spec.kv != "fp16":
-            raise AttnScheduleError(f"{spec.name}: the wgmma kernel reads FP16 KV only (FP8: not yet)")
-        if spec.kvg != 1 or spec.hs != 1 or spec.ds != 1:
-            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes no kvg / hs / ds (one warpgroup per CTA)")
+        if spec.kvg not in (1, 2) or spec.hs != 1 or spec.ds != 1:
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes kvg 1 or 2 (warpgroups), no hs / ds")
         if spec.rows > WG_ROWS or spec.rows % 8:
             raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes <= {WG_ROWS} query rows per KV group "
                                     f"(a multiple of 8), not {spec.rows}")
@@ -186,6 +187,9 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
             + (0 if spec.kv == "fp16" else 4 * tt * spec.d))
     if ((spec.kvg - 1) * spec.cta_rows // 16 * 128 * 32 + spec.kvg * spec.cta_rows * 2) * 4 > idle:
         raise AttnScheduleError(f"{spec.name}: the token groups' combine buffer exceeds the Q and stage buffers")
+    ring = spec.smem - 1024 - WG_ROWS * spec.d * 2 - ((spec.split + spec.page - 1) // spec.page + 1) * 4
+    if spec.wg and spec.kvg > 1 and ring < 128 * 128 * 4 + WG_ROWS * 2 * 4:
+        raise AttnScheduleError(f"{spec.name}: the warpgroups' combine buffer exceeds the ring")
     if spec.smem > smem_limit:
         raise AttnScheduleError(f"{spec.name}: {spec.smem} B shared memory exceeds sm_{spec.arch}'s {smem_limit}")
 
@@ -221,7 +225,8 @@ def specs() -> list[AttnSpec]:
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
                     for var, default in variants:
-                        if (not default or var.get("wg")) and (kv != "fp16" or page != 16):
+                        # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes
+                        if (not default or var.get("wg")) and (page != 16 or kv not in var.get("kv", ["fp16"])):
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),

@@ -7,8 +7,9 @@ threshold: accuracy, bitwise invariance, graph replay across a threshold, long r
 grid order (split index slowest, sized for the table's capacity) vs per-request launches.
 
 Tests parametrized by `kind` run the served schedule ("served") and the sm_90a warpgroup-MMA kernel
-("wg": the wg: 1 candidate with the served split rule, FP16 KV, page 16; skipped elsewhere) through the
-same checks; the wg kernel's accuracy bound is rel. L2 <= 1e-3."""
+("wg" / "wg4" / "wg2": the wg: 1 candidates with the served split rule: t32 stages 2 (in-order loop) /
+4 (FA3's overlapped loop) / two warpgroups (kvg 2, t16 st4); page 16, FP16 (and FP8 for wg, wg4) KV;
+skipped elsewhere) through the same checks; their accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.gpu
 HEADS = [(24, 4), (6, 1)]
 DTYPES = [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 CONTEXTS = {1: [32760], 2: [1, 5000], 4: [7, 16, 1000, 16384], 8: [1, 2, 15, 64, 255, 511, 2049, 9000]}
-KINDS = ["served", "wg"]
+# wg: the in-order loop (t32 st2); wg4: FA3's overlapped loop (t32 st4); wg2: two warpgroups (t16 st4 kvg2)
+KINDS = ["served", "wg", "wg4", "wg2"]
 WG_REL = 1e-3  # rel. L2 bound of the wgmma kernel vs the FP32 reference
 
 
@@ -43,20 +45,26 @@ def _archs() -> list[int]:
 
 
 def _kernel(kind: str, arch: int, hq: int, hkv: int, dtype: torch.dtype = torch.float16, page: int = 16) -> str | None:
-    """The kernel name a test runs: None (the served schedule) or the wg candidate with the served rule."""
+    """The kernel name a test runs: None (the served schedule) or the wg candidate with the served rule
+    ("wg": t32 stages 2, "wg4": t32 with the most stages, "wg2": two warpgroups (kvg 2))."""
     if kind == "served":
         return None
     if arch != 90 or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9):
         pytest.skip("the wgmma kernel runs on sm_90a only")
-    if dtype != torch.float16 or page != 16:
-        pytest.skip("the wgmma kernel is built for FP16 KV in 16-token pages")
-    from dflashgen.runtime.attention_kernel import attention_entries
+    if page != 16:
+        pytest.skip("the wgmma kernels are built for 16-token pages")
+    from dflashgen.runtime.attention_kernel import KV_TAG, attention_entries
 
-    served = select_kernel(90, hq, hkv, 256, "fp16", 16)
-    found = sorted((e for e in attention_entries() if e.get("wg") and e["arch"] == 90 and e["hq"] == hq
-                    and e["hkv"] == hkv and e["kv"] == "fp16" and e["page"] == 16 and e["split"] == served["split"]
-                    and e.get("short") == served.get("short")), key=lambda e: (e["tile"] != 32, e["stages"], e["name"]))
-    assert found, f"no wg candidate with the served split rule for {hq}/{hkv} heads"
+    kv = KV_TAG[dtype]
+    served = select_kernel(90, hq, hkv, 256, kv, 16)
+    found = sorted((e for e in attention_entries() if e.get("wg") and (e["kvg"] == 2) == (kind == "wg2")
+                    and e["arch"] == 90 and e["hq"] == hq
+                    and e["hkv"] == hkv and e["kv"] == kv and e["page"] == 16 and e["split"] == served["split"]
+                    and e.get("short") == served.get("short")),
+                   key=lambda e: (e["tile"] != 32, e["stages"] if kind != "wg4" else -e["stages"], e["name"]))
+    if not found and kv != "fp16":
+        pytest.skip(f"no {kind} candidate for {kv} KV")
+    assert found, f"no {kind} candidate with the served split rule for {hq}/{hkv} heads, {kv} KV"
     return found[0]["name"]
 
 
@@ -150,7 +158,7 @@ def test_matches_fp32_reference(arch, hq, hkv, dtype, page, interleaved, kind) -
         case = Case(ctx, hq, hkv, dtype, page, interleaved, seed=nb)
         out = torch.full(case.q.shape, math.nan, device="cuda")  # poisoned: every row must be written
         case.run(arch=arch, out=out, kernel=k)
-        case.check(out, WG_REL if k else 3e-3)
+        case.check(out, WG_REL if k and dtype == torch.float16 else 3e-3)
 
 
 @pytest.mark.parametrize("arch", _archs())
@@ -252,13 +260,15 @@ def test_target_dense_cache_path(t) -> None:
 
 
 def test_benchmark_schedules_match_too() -> None:
-    """The non-default schedules `dflashgen attn-bench` races are correct as well."""
-    from dflashgen.runtime.attention_kernel import attention_entries, kernel_arch
+    """The non-default schedules `dflashgen attn-bench` races are correct as well (and the wg kernels'
+    FP8 builds)."""
+    from dflashgen.runtime.attention_kernel import KV_TAG, attention_entries, kernel_arch
 
     arch = kernel_arch(torch.device("cuda"))
+    dtype_of = {tag: dt for dt, tag in KV_TAG.items()}
     extra = [e for e in attention_entries() if e["arch"] == arch and not e["default"]]
     for e in extra:
-        case = Case([1000, 5000, 1], e["hq"], e["hkv"], torch.float16, e["page"], False, seed=3)
+        case = Case([1000, 5000, 1], e["hq"], e["hkv"], dtype_of[e["kv"]], e["page"], False, seed=3)
         case.check(case.run(kernel=e["name"]))
 
 

@@ -9,7 +9,8 @@
 //
 // One warpgroup (128 threads, 4 warps) owns all ROWS = GROUP x QROWS (<= 64) query rows of the KV
 // group, padded to the wgmma M of 64 (padded rows: zero Q, every token visible, finite, never
-// written). Per tile of T tokens:
+// written); KVG = 2 runs two such warpgroups on alternate tiles (token groups, each with its own
+// softmax state, combined at the end of the split). Per tile of T tokens:
 //   S[64 x T]   = Q K^T   wgmma m64nTk16, A = Q and B = K both from shared memory (K-major),
 //   online softmax on the S accumulator in registers (FP32, exp2 domain, quad shuffles),
 //   O[64 x 256] += P V    wgmma m64n256k16, A = P (FP16) from registers (the S accumulator layout is
@@ -26,9 +27,17 @@
 //   SBO = 1024 B (8-row groups), LBO unused (1).
 // - MN-major (V as B, 16 tokens per k-step): start = token 16 ks (16 x 128 B), LBO = rows x 128 B
 //   (the next 64-column atom along N = D), SBO = 1024 B (the next 8 tokens along K).
+// (Checked against CuTe on the host: tests/wgmma_attention_layout.cpp.)
 // K/V tiles are copied global -> shared with 16-byte cp.async into the swizzled positions, STAGES
 // tiles in the ring; each thread fences its completed copies to the async proxy
 // (fence.proxy.async) before the barrier that precedes the wgmmas reading them.
+// Pipelines: STAGES == 2: QK -> softmax -> PV of each tile in order (the next tile's copies issue
+// under the QK); STAGES >= 3: FA3's intra-warpgroup overlap (QK of tile i, copies, PV of tile i - 1,
+// then the softmax of tile i under that PV), STAGES - 2 stages of copies ahead. ptxas (12.9, 13.0) keeps the
+// wgmmas unserialized only if no instruction between a wgmma and its wait writes its input
+// registers or reads its accumulators, and the softmax runs under the PV only if the P packing
+// (FP32 -> FP16 A fragments) follows the PV's wait: both checked on the SASS (no C7513 / C7514;
+// WARPGROUP.DEPBAR.LE gsb0 0x1 ... MUFU.EX2 ... 0x0).
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -88,6 +97,13 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
 }
+template <int K>
+__device__ __forceinline__ void fence_regs(u32 (&r)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(r[k][i]);
+}
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
@@ -103,25 +119,46 @@ struct VerifyAttentionWg {
   static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
   static constexpr int ROWS = GROUP * QROWS;  // real query rows of the KV group
   static constexpr int M = 64;                // wgmma M: rows ROWS .. 63 are padding
-  static constexpr int THREADS = 128;         // one warpgroup
+  // KVG token groups = warpgroups: a ring stage holds KVG tiles, warpgroup g takes tile g of every stage
+  // with its own softmax state; the groups' (max, sum, O) are combined in group order at the end.
+  static constexpr int KVG = Cfg::KVG, TT = KVG * T;
+  static constexpr int THREADS = 128 * KVG;
   static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
-  static_assert(Cfg::KV == KvType::FP16, "the wgmma kernel reads FP16 KV (FP8: not yet)");
-  static_assert(Cfg::KVG == 1 && Cfg::HS == 1 && Cfg::DS == 1, "the wgmma kernel has no kvg / hs / ds");
+  static_assert((KVG == 1 || KVG == 2) && Cfg::HS == 1 && Cfg::DS == 1, "wgmma kernel: kvg 1 or 2, no hs / ds");
   static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
   static_assert(ROWS <= M && ROWS % 8 == 0, "one warpgroup of 64 rows per KV group");
   static_assert(T == 16 || T == 32 || T == 64, "tile: wgmma N of the QK step");
   static_assert(SPLIT % T == 0 && Cfg::MIN_SPLIT % T == 0 && STAGES >= 2, "tile shape / ring");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
 
-  // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) | page ids.
+  // FP8 KV (E5M2 / E4M3): the ring holds the tiles as stored (rows of RAW_CH 16-byte chunks, chunk c
+  // of token t at c ^ (t & 7)); each tile is decoded exactly to FP16 (E4M3: value x 2^-8, the runtime
+  // folds 2^8 into the scales) into the swizzled K / V layout wgmma reads, NCVT such buffers (the
+  // overlapped loop reads tile i's K and tile i - 1's V at once).
+  static constexpr bool FP8 = Cfg::KV != KvType::FP16;
+  static constexpr int KV_BYTES = FP8 ? 1 : 2;
+  static constexpr int RAW_CH = D * KV_BYTES / 16;  // 16-byte chunks per stored row
+
+  // Shared memory: [1 KB alignment slack] Q (64 x D) | STAGES x (K tile, V tile) as stored |
+  // NCVT x (K, V) decoded to FP16 (FP8 only) | page ids.
   static constexpr int Q_BYTES = M * D * 2;
-  static constexpr int KV_TILE = T * D * 2;
-  static constexpr int STAGE_BYTES = 2 * KV_TILE;
+  // A stage: the K of its KVG tiles, then their V. FP16: tile g's K at + g x KV_TILE in the wgmma
+  // layout, V at + RAW_TILE + g x KV_TILE. FP8: TT token rows as stored; decoded (the same layout as an
+  // FP16 stage) into a CVT buffer.
+  static constexpr int KV_TILE = T * D * 2;           // one FP16 K or V tile, as wgmma reads it
+  static constexpr int RAW_TILE = TT * D * KV_BYTES;  // the K (or V) of a stage as stored
+  static constexpr int STAGE_BYTES = 2 * RAW_TILE;
+  static constexpr int NCVT = FP8 ? (STAGES == 2 ? 1 : 2) : 0;
+  static constexpr int CVT_BYTES = NCVT * 2 * KVG * KV_TILE;
   static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
   static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
   static constexpr int ALIGN = 1024;
-  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + TB_BYTES;
-  static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0, "swizzle blocks stay 1024-byte aligned");
+  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES;
+  static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0 && RAW_TILE % ALIGN == 0,
+                "swizzle blocks stay 1024-byte aligned");
+  // Group combine: group 1 parks O (128 floats per thread) and (max, sum) per row in the idle ring.
+  static constexpr int X_BYTES = KVG > 1 ? 128 * 128 * 4 + M * 2 * 4 : 0;
+  static_assert(X_BYTES <= STAGES * STAGE_BYTES + CVT_BYTES, "group combine buffer exceeds the ring");
 
   __device__ static void copy16(u32 dst, const char* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -134,25 +171,66 @@ struct VerifyAttentionWg {
   __device__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
   // K and V tokens [t0, t0 + T) of this request (zeros past `end` or on a bad page) into the stage
-  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % CH of tokens
-  // i / CH, + THREADS / CH, ...: one page lookup and one offset per token serve its K and V chunk.
+  // at shared address `st` (K tile, then V tile), swizzled. Thread i copies chunk i % RAW_CH of tokens
+  // i / RAW_CH, + THREADS / RAW_CH, ...; the K and V chunks of a token share one offset. (A page index
+  // pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's pages
+  // is never used.) Branch-free: a masked chunk's copy reads 0 bytes (from the pool base).
   __device__ static void load_tile(u32 st, int t0, int end, const int* pages, int pg0, const char* kb,
                                    const char* vb, long long block_stride, int kh) {
-    constexpr int TSTEP = THREADS / CH;  // tokens per round
-    static_assert(THREADS % CH == 0 && T % TSTEP == 0, "whole rounds of copies");
-    const int c = threadIdx.x % CH, tok0 = threadIdx.x / CH;
+    constexpr int TSTEP = THREADS / RAW_CH;  // tokens per round
+    static_assert(THREADS % RAW_CH == 0 && TT % TSTEP == 0 && T % TSTEP == 0, "whole rounds of copies");
+    const int c = threadIdx.x % RAW_CH, tok0 = threadIdx.x / RAW_CH;
+    constexpr long long ROW = static_cast<long long>(HKV) * D * KV_BYTES;  // bytes per token row of a page
+    const long long row0 = static_cast<long long>(kh) * D * KV_BYTES + 16 * c;
+    auto copy_kv = [&](int tok, bool ok, long long off) {  // tok: 0 .. TT - 1 (tile tok / T)
+      const u32 dst = st + (FP8 ? 16 * swz<RAW_CH>(tok, c) : (tok / T) * KV_TILE + wgattn::sw128_off<T>(tok % T, c));
+      copy16(dst, kb + (ok ? off : 0), ok);
+      copy16(dst + RAW_TILE, vb + (ok ? off : 0), ok);
+    };
+    if constexpr (T % PAGE == 0 && PAGE % TSTEP == 0) {
+      // t0 is a multiple of TT, so of PAGE: the stage is TT / PAGE whole pages, and this thread's tokens
+      // tok0 + TSTEP k sit in page k / KP at row tok0 + TSTEP (k % KP): one page id and one 64-bit
+      // base per page, compile-time row offsets.
+      constexpr int KP = PAGE / TSTEP;  // this thread's tokens per page
+      const int pg_first = t0 / PAGE - pg0;
 #pragma unroll
-    for (int k = 0; k < T / TSTEP; ++k) {
-      const int tok = tok0 + TSTEP * k, pos = t0 + tok;
-      // (pos / PAGE - pg0 < NPG for every position of the split's tiles: a stale id past the split's
-      // pages is never used.) Branch-free: the address is formed, the copy of a masked chunk reads 0 bytes.
-      const int blk = pages[pos / PAGE - pg0];
-      const bool ok = pos < end && blk >= 0;
-      const long long off =
-          ok ? (blk * block_stride + static_cast<long long>((pos % PAGE) * HKV + kh) * D) * 2 + 16 * c : 0;
-      const u32 dst = st + wgattn::sw128_off<T>(tok, c);
-      copy16(dst, kb + off, ok);
-      copy16(dst + KV_TILE, vb + off, ok);
+      for (int p = 0; p < TT / PAGE; ++p) {
+        const int blk = pages[pg_first + p];
+        const long long base = blk * block_stride * KV_BYTES + tok0 * ROW + row0;
+#pragma unroll
+        for (int kk = 0; kk < KP; ++kk) {
+          const int tok = tok0 + TSTEP * (p * KP + kk);
+          copy_kv(tok, t0 + tok < end && blk >= 0, base + TSTEP * kk * ROW);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < TT / TSTEP; ++k) {
+        const int tok = tok0 + TSTEP * k, pos = t0 + tok;
+        const int blk = pages[pos / PAGE - pg0];
+        copy_kv(tok, pos < end && blk >= 0, blk * block_stride * KV_BYTES + (pos % PAGE) * ROW + row0);
+      }
+    }
+  }
+
+  // FP8 stage `raw` -> FP16 K and V tiles at `cvt` in the wgmma layout (exact). Then, by every writing
+  // thread: fence.proxy.async (st.shared -> wgmma) before the barrier.
+  __device__ static void decode_tile(const char* raw, char* cvt) {
+    constexpr int N = 2 * TT * RAW_CH;
+    static_assert(N % THREADS == 0, "whole rounds of decodes");
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < N; idx += THREADS) {
+      const int which = idx / (TT * RAW_CH), rem = idx % (TT * RAW_CH);
+      const int tok = rem / RAW_CH, c = rem % RAW_CH;
+      const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
+      uint4 lo, hi;
+      fp8x4_to_half<Cfg::KV>(w.x, lo.x, lo.y);
+      fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
+      fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
+      fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
+      char* dst = cvt + (which * KVG + tok / T) * KV_TILE;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c + 1)) = hi;
     }
   }
 
@@ -177,14 +255,14 @@ struct VerifyAttentionWg {
     }
     const int size = Cfg::split_for(len), begin = split * size;
     if (begin >= len) return;
-    const int end = min(begin + size, len), tiles = (end - begin + T - 1) / T;
+    const int end = min(begin + size, len), tiles = (end - begin + TT - 1) / TT;  // stages of KVG tiles
 
     // 1024-byte aligned base (the 128-byte swizzle pattern is on absolute shared addresses).
     const u32 raw_addr = smem_addr(smem_raw);
     const int pad = static_cast<int>((ALIGN - (raw_addr & (ALIGN - 1))) & (ALIGN - 1));
     char* smem = smem_raw + pad;
     const u32 sq = raw_addr + pad, sst = sq + Q_BYTES;
-    int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);
+    int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES);
 
     // The split's page ids, checked once (bad ones flag the error and read as zeros).
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
@@ -205,7 +283,7 @@ struct VerifyAttentionWg {
     // Pipeline prologue, then Q (zeros for padded rows and rows past nq) while the copies fly.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * T, end, spages, pg0, kpool, vpool, block_stride, kh);
+      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
       commit();
     }
     for (int idx = threadIdx.x; idx < M * CH; idx += THREADS) {
@@ -219,7 +297,8 @@ struct VerifyAttentionWg {
 
     // Thread (warp w, g = lane / 4, t = lane % 4) holds accumulator rows 16 w + g (j = 0) and
     // 16 w + g + 8 (j = 1), columns 8 n + 2 t, + 1 of every 8-column block n.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int grp = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+              tq = lane & 3;  // token group (warpgroup), warp in it
     int limit[2];  // last visible position of each row (padded rows: all; rows past nq as VerifyAttention)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -233,17 +312,31 @@ struct VerifyAttentionWg {
 
     // Descriptors with the tile bases; k-steps add (byte offset >> 4) to the start-address field.
     const uint64_t dq = wgattn::desc_sw128(sq, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
-
-    for (int it = 0; it < tiles; ++it) {
-      wait<STAGES - 2>();  // this thread's copies of tile `it` landed
+    auto stage = [&](int tile) { return sst + (tile % STAGES) * STAGE_BYTES; };
+    // (`tile` below: a stage of KVG tiles; this warpgroup's is tile grp of it.)
+    auto load = [&](int tile) {  // the stage's K and V into its ring slot (nothing past the split)
+      if (tile < tiles) load_tile(stage(tile), begin + tile * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
+    };
+    // The FP16 K tiles wgmma reads (then the V tiles): the ring slot, or (FP8) the decode buffer.
+    constexpr int CVT_OFF = Q_BYTES + STAGES * STAGE_BYTES;
+    auto kv = [&](int tile) -> u32 {
+      if constexpr (FP8) return sq + CVT_OFF + (NCVT > 1 ? tile % NCVT : 0) * 2 * KVG * KV_TILE;
+      else return stage(tile);
+    };
+    // Tile `tile` landed (this thread's copies: the caller waited) -> visible to every thread and to
+    // wgmma; FP8: decoded first (its buffer's previous tile was waited for before the caller's wait).
+    auto ready = [&](int tile) {
       fence_async();
-      __syncthreads();     // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills below)
-      const u32 st = sst + (it % STAGES) * STAGE_BYTES;
-      const uint64_t dk = wgattn::desc_sw128(st, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
-      const uint64_t dv = wgattn::desc_sw128(st + KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
-
-      // S = Q K^T (FP32), 16 k-steps of 16 halves of D.
-      float s[T / 2];
+      __syncthreads();
+      if constexpr (FP8) {
+        decode_tile(smem + Q_BYTES + (tile % STAGES) * STAGE_BYTES, smem + (kv(tile) - sq));
+        fence_async();
+        __syncthreads();
+      }
+    };
+    // S = Q K^T (FP32) of tile `tile`: 16 k-steps of 16 halves of D, one commit group.
+    auto qk_issue = [&](int tile, float (&s)[T / 2]) {
+      const uint64_t dk = wgattn::desc_sw128(kv(tile) + grp * KV_TILE, wgattn::KMAJOR_LBO, wgattn::KMAJOR_SBO);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -253,19 +346,34 @@ struct VerifyAttentionWg {
                            cute::make_index_sequence<T / 2>{});
       }
       cute::warpgroup_commit_batch();
-
-      // While the tensor cores work: the copies of tile it + STAGES - 1 into tile it - 1's slot.
-      if (it + STAGES - 1 < tiles)
-        load_tile(sst + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, begin + (it + STAGES - 1) * T, end, spages, pg0,
-                  kpool, vpool, block_stride, kh);
-      commit();
-
-      cute::warpgroup_wait<0>();
-      wgattn::fence_regs(s);
-
-      // Online softmax (exp2 domain): scale, causal mask (and the tile's tail), row max over the quad.
-      const int t0 = begin + it * T;
-      float mx[2] = {-DFG_INF, -DFG_INF};
+    };
+    // O = O * alpha (per row), then O += P V of tile `tile`: T / 16 k-steps of 16 tokens, one commit group.
+    // (x 1.0 is exact: a warp whose rows' maxima did not move skips the 128 multiplies, same bits.)
+    auto pv_issue = [&](int tile, const u32 (&pa)[T / 16][4], const float (&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          o[4 * n] *= alpha[0];
+          o[4 * n + 1] *= alpha[0];
+          o[4 * n + 2] *= alpha[1];
+          o[4 * n + 3] *= alpha[1];
+        }
+      }
+      const uint64_t dv =
+          wgattn::desc_sw128(kv(tile) + (KVG + grp) * KV_TILE, wgattn::mnmajor_lbo<T>(), wgattn::MNMAJOR_SBO);
+      wgattn::fence_regs(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < T / 16; ++ks)
+        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
+                        cute::make_index_sequence<128>{});
+      cute::warpgroup_commit_batch();
+    };
+    // Online softmax of tile `tile` (exp2 domain) on its S accumulator: scale, causal mask (and the tile's
+    // tail), row max / sum over the quad; P (FP32) in place of S, alpha = the O rescale.
+    auto softmax = [&](int tile, float (&s)[T / 2], float (&alpha)[2]) {
+      const int t0 = begin + tile * TT + grp * T;
+      float mx[2] = {-DFG_INF, -DFG_INF}, base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < T / 8; ++n)
 #pragma unroll
@@ -276,7 +384,6 @@ struct VerifyAttentionWg {
           s[4 * n + e] = x;
           mx[j] = fmaxf(mx[j], x);
         }
-      float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 1));
@@ -286,18 +393,16 @@ struct VerifyAttentionWg {
         alpha[j] = exp2f(m_run[j] - base[j]);
         m_run[j] = m_new;
       }
-      u32 pa[T / 16][4];
 #pragma unroll
       for (int n = 0; n < T / 8; ++n) {
-        const float p0 = exp2f(s[4 * n] - base[0]), p1 = exp2f(s[4 * n + 1] - base[0]);
-        const float p2 = exp2f(s[4 * n + 2] - base[1]), p3 = exp2f(s[4 * n + 3] - base[1]);
-        sum[0] += p0;
-        sum[0] += p1;
-        sum[1] += p2;
-        sum[1] += p3;
-        // The accumulator of 8-column block n is the A fragment's half (n & 1) of k-step n / 2.
-        pa[n >> 1][2 * (n & 1)] = wgattn::pack_half2(p0, p1);
-        pa[n >> 1][2 * (n & 1) + 1] = wgattn::pack_half2(p2, p3);
+        s[4 * n] = exp2f(s[4 * n] - base[0]);
+        s[4 * n + 1] = exp2f(s[4 * n + 1] - base[0]);
+        s[4 * n + 2] = exp2f(s[4 * n + 2] - base[1]);
+        s[4 * n + 3] = exp2f(s[4 * n + 3] - base[1]);
+        sum[0] += s[4 * n];
+        sum[0] += s[4 * n + 1];
+        sum[1] += s[4 * n + 2];
+        sum[1] += s[4 * n + 3];
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -305,26 +410,116 @@ struct VerifyAttentionWg {
         sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], 2);
         l_run[j] = l_run[j] * alpha[j] + sum[j];
       }
+    };
+    // P (FP32, the S accumulator layout) -> FP16 A fragments of the PV wgmma: the accumulator of
+    // 8-column block n is the A fragment's half (n & 1) of k-step n / 2 (FA3's register reuse).
+    auto pack = [&](const float (&p)[T / 2], u32 (&pa)[T / 16][4]) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
+      for (int n = 0; n < T / 8; ++n) {
+        pa[n >> 1][2 * (n & 1)] = wgattn::pack_half2(p[4 * n], p[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = wgattn::pack_half2(p[4 * n + 2], p[4 * n + 3]);
       }
+    };
 
-      // O += P V, T / 16 k-steps of 16 tokens.
-      wgattn::fence_regs(o);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < T / 16; ++ks)
-        wgattn::pv_step(pa[ks], dv + static_cast<uint64_t>(wgattn::mnmajor_kstep(ks) >> 4), o,
-                        cute::make_index_sequence<128>{});
-      cute::warpgroup_commit_batch();
+    if constexpr (STAGES == 2) {
+      // In order: QK -> softmax -> PV, each waited; the next tile's copies issue under the QK.
+      for (int it = 0; it < tiles; ++it) {
+        wait<0>();  // this thread's copies of tile `it` landed
+        ready(it);  // everyone's copies of tile `it`; everyone done with tile it - 1 (its slot refills)
+        float s[T / 2];
+        qk_issue(it, s);
+        load(it + 1);
+        commit();
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(s);
+        u32 pa[T / 16][4];
+        float alpha[2];
+        softmax(it, s, alpha);
+        pack(s, pa);
+        pv_issue(it, pa, alpha);
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(o);
+      }
+    } else {
+      // FA3's intra-warpgroup overlap: iteration `it` issues QK of tile `it`, then PV of tile it - 1 (its
+      // P and rescale from the previous softmax), and the softmax of tile `it` runs while that PV does.
+      // Copies: iteration it >= 1 refills tile it - 2's slot (every warp waited for PV(it - 2) before
+      // this iteration's barrier) with tile it + STAGES - 2: STAGES - 2 tiles ahead of the compute.
+      // Commit groups: STAGES - 1 in the prologue (tiles 0 .. STAGES - 2), then one per iteration
+      // (iteration 0's empty); tile `it` is in group it + 1 (or it): wait until <= STAGES - 3 pending.
+      static_assert(STAGES >= 3, "the overlapped loop keeps tiles it - 1 and `it` resident while it refills");
+      u32 pa[T / 16][4];
+      float alpha[2];
+      {
+        wait<STAGES - 2>();
+        ready(0);
+        float s[T / 2];
+        qk_issue(0, s);
+        commit();  // (empty: keeps one group per iteration)
+        cute::warpgroup_wait<0>();
+        wgattn::fence_regs(s);
+        softmax(0, s, alpha);
+        pack(s, pa);
+      }
+      for (int it = 1; it < tiles; ++it) {
+        wait<STAGES - 3>();
+        ready(it);
+        float s[T / 2];
+        qk_issue(it, s);
+        load(it + STAGES - 2);
+        commit();
+        pv_issue(it - 1, pa, alpha);
+        cute::warpgroup_wait<1>();  // QK of tile `it` (PV of tile it - 1 may still run)
+        wgattn::fence_regs(s);
+        float an[2];
+        softmax(it, s, an);  // in the S registers: PV(it - 1) still reads pa
+        cute::warpgroup_wait<0>();  // PV of tile it - 1: its slot is free after the next barrier
+        wgattn::fence_regs(o);
+        pack(s, pa);  // (packing before this wait made ptxas wait for PV(it - 1) before the softmax)
+        alpha[0] = an[0];
+        alpha[1] = an[1];
+      }
+      pv_issue(tiles - 1, pa, alpha);
       cute::warpgroup_wait<0>();
       wgattn::fence_regs(o);
     }
     wait<0>();
+    if constexpr (KVG > 1) {
+      // Group 1 hands its (max, sum, O) to group 0 through the idle ring; group 0 combines them. Thread
+      // i of either group holds the same accumulator elements (rows, columns).
+      __syncthreads();  // every warpgroup's last PV done: the ring is idle
+      float* xo = reinterpret_cast<float*>(smem + Q_BYTES);  // [128 elements][128 threads]
+      float* xml = xo + 128 * 128;                           // [64 rows][max, sum]
+      const int ti = threadIdx.x & 127;
+      if (grp == 1) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) xo[i * 128 + ti] = o[i];
+        if (tq == 0)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            xml[(16 * warp + g + 8 * j) * 2] = m_run[j];
+            xml[(16 * warp + g + 8 * j) * 2 + 1] = l_run[j];
+          }
+      }
+      __syncthreads();
+      if (grp > 0) return;
+      float w0[2], w1[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m1 = xml[(16 * warp + g + 8 * j) * 2], l1 = xml[(16 * warp + g + 8 * j) * 2 + 1];
+        const float mx = fmaxf(m_run[j], m1);
+        const float base = mx == -DFG_INF ? 0.0f : mx;  // a row neither group saw stays at -inf
+        w0[j] = exp2f(m_run[j] - base);
+        w1[j] = exp2f(m1 - base);
+        l_run[j] = l_run[j] * w0[j] + l1 * w1[j];
+        m_run[j] = mx;
+      }
+#pragma unroll
+      for (int i = 0; i < 128; ++i) {
+        const int j = (i >> 1) & 1;
+        o[i] = o[i] * w0[j] + xo[i * 128 + ti] * w1[j];
+      }
+    }
 
     // Partial results of this split (real rows only): unnormalised O, (max, sum) per row (log2 units).
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
