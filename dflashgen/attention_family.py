@@ -208,6 +208,14 @@ def _tiers(rules: dict[Any, Any] | None, hkv: int) -> tuple[tuple[int, int], ...
                                 f"got {rules.get(hkv)!r}") from None
 
 
+def _builds(var: dict[str, Any], kv: str, page: int, extra: bool = False) -> bool:
+    """Whether a schedule is emitted for this KV dtype and page: a served mma.sync one for all, a wg
+    one (and every benchmark extra) for page 16 and its `kv` dtypes (default FP16)."""
+    if not (extra or var.get("wg")):
+        return True
+    return page == 16 and kv in var.get("kv", ["fp16"])
+
+
 def specs() -> list[AttnSpec]:
     sch = load_schedule()
     out: dict[str, AttnSpec] = {}
@@ -216,17 +224,23 @@ def specs() -> list[AttnSpec]:
         split = int(sch["split_tokens"][hkv])
         for arch in archs:
             a = sch["archs"][arch]
-            # One served schedule per (arch, KV heads): `default_for` overrides `default` per KV-head count.
-            served = a.get("default_for", {}).get(hkv, a["default"])
+            # One served schedule per (arch, KV heads, KV dtype, page): `default_for` overrides `default`
+            # per KV-head count with a schedule or a preference list, whose first schedule built for
+            # the (dtype, page) serves it (a wg schedule: page 16 and its `kv` dtypes only).
+            pref = a.get("default_for", {}).get(hkv, a["default"])
             # The served schedule takes the top-level `short_splits` rule unless it names its own
             # `short`; benchmark extras keep a fixed split unless they name one.
-            served = {"short": sch.get("short_splits"), **served}
-            variants = [(served, True)] + [(v, False) for v in a.get("extra", [])]
+            served = [{"short": sch.get("short_splits"), **v} for v in (pref if isinstance(pref, list) else [pref])]
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
+                    pick = next((v for v in served if _builds(v, kv, page)), None)
+                    if pick is None:
+                        raise AttnScheduleError(f"sm_{arch} {hkv} KV heads: no served schedule builds {kv} KV "
+                                                f"with {page}-token pages (default_for lists only wg ones?)")
+                    variants = [(pick, True)] + [(v, False) for v in a.get("extra", [])]
                     for var, default in variants:
                         # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes
-                        if (not default or var.get("wg")) and (page != 16 or kv not in var.get("kv", ["fp16"])):
+                        if not default and not _builds(var, kv, page, extra=True):
                             continue
                         sp = int(var["split"][hkv]) if "split" in var else split
                         spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),

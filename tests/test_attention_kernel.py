@@ -4,6 +4,7 @@ tile / merge order against the reference, and the input errors. GPU runs: test_g
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -131,8 +132,8 @@ def _wg_spec(**kw) -> af.AttnSpec:
 def test_wgmma_specs_render_and_name() -> None:
     """wg: 1 schedules: `_wg1` in the name (before the split rule), one warpgroup, the sm_90a target in
     the manifest entry (build.py compiles compute_90a / sm_90a), the wgmma header and struct rendered;
-    mma.sync entries keep their form. Only benchmark candidates (never served), page 16, sm_90; FP8 KV
-    adds its decode buffers to the shared memory."""
+    mma.sync entries keep their form. Page 16, sm_90 only; served (default_for, session 6) for FP16 KV
+    at both head layouts, FP8 KV adds its decode buffers to the shared memory."""
     spec = _wg_spec(short=((2048, 64), (8192, 128)))
     assert spec.name == "dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128"
     assert spec.threads == 128 and spec.min_blocks == 1 and spec.target == "90a"
@@ -147,7 +148,9 @@ def test_wgmma_specs_render_and_name() -> None:
     assert "wg" not in plain.meta() and "target" not in plain.meta() and "_wg" not in plain.name
     assert "VerifyAttentionWg" not in af.render(plain) and "__align__(128)" in af.render(plain)
     wgs = [s for s in af.specs() if s.wg]
-    assert wgs and all(s.arch == 90 and s.page == 16 and not s.default for s in wgs)
+    assert wgs and all(s.arch == 90 and s.page == 16 and (s.default == (s.kv == "fp16" and s.short != ())) for s in wgs
+                       if (s.tile, s.stages, s.kvg, s.split) in ((32, 2, 1, 512), (32, 2, 1, 128)))
+    assert {s.hkv for s in wgs if s.default} == {hkv for _, hkv in TARGET_HEADS}
     assert {s.kv for s in wgs} == {"fp16", "e5m2", "e4m3"}
     ring = 1024 + 64 * 256 * 2 + 4 * 2 * 32 * 256 + 144  # FP8, 4 stages: the ring as stored (1 byte)
     assert _wg_spec(kv="e4m3", stages=4).smem == ring + 2 * 2 * 32 * 256 * 2  # + 2 decoded K/V pairs
@@ -654,3 +657,21 @@ def test_dense_cache_chunks_prefill_into_verify_blocks(monkeypatch) -> None:
     assert seen == [((2, 8, 24, 256), (8, 16, 4, 256), [4, 5], [8, 38]),
                     ((2, 8, 24, 256), (8, 16, 4, 256), [4, 5], [16, 46]),
                     ((2, 4, 24, 256), (8, 16, 4, 256), [4, 5], [20, 50])]
+
+
+def test_served_schedule_preference_list(monkeypatch) -> None:
+    """default_for may list schedules in preference order: each (KV dtype, page) is served by the first
+    one built for it. The sm_90 wgmma schedule serves FP16 KV with 16-token pages; FP8 KV and 4-token
+    pages fall through to the mma.sync schedule; a list with nothing for a (dtype, page) is an error."""
+    sch = af.load_schedule()
+    served = {(s.hkv, s.kv, s.page): s for s in af.specs() if s.default and s.arch == 90}
+    assert {k[0] for k in served} == {hkv for _, hkv in TARGET_HEADS}
+    for (_, kv, page), s in served.items():
+        assert bool(s.wg) == (kv == "fp16" and page == 16), s.name
+        assert s.short  # every served schedule carries the split rule
+    assert served[(4, "fp16", 4)].ds == 2 and served[(1, "fp16", 4)].ds == 1  # the mma.sync fallbacks
+    only_wg = copy.deepcopy(sch)
+    only_wg["archs"][90]["default_for"] = {4: [{"tile": 32, "stages": 2, "wg": 1}], 1: {"tile": 32, "stages": 2}}
+    monkeypatch.setattr(af, "load_schedule", lambda: only_wg)
+    with pytest.raises(af.AttnScheduleError, match="no served schedule builds fp16 KV with 4-token pages"):
+        af.specs()

@@ -532,6 +532,7 @@ def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, t
     """An x_smem ring above 48 KB is dynamic shared memory: the kernel opts in to its size when its
     module loads and every launch passes that size; static kernels pass 0 and never opt in."""
     from dflashgen.runtime import driver, kernels
+
     from dflashgen.schedule import KernelSpec, Tile, k_plan
 
     rec, opted = _Recorder(), []
