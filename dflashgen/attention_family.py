@@ -12,7 +12,7 @@ query rows padded to 64; their names carry ``_wg1`` before the split rule.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -53,6 +53,9 @@ class AttnSpec:
     wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg 1 / 2 warpgroups; hs = ds = 1
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
+    # a served wg kernel: the mma.sync kernel next in default_for's list, served instead when
+    # DFLASHGEN_ATTN_WG=0 (emitted too); not part of the name
+    fallback: str = ""
 
     @property
     def name(self) -> str:
@@ -127,6 +130,8 @@ class AttnSpec:
             m["target"] = self.target  # build.py: compute_90a / sm_90a
         else:
             del m["wg"]  # the mma.sync entries keep their pre-wgmma form
+        if not self.fallback:
+            del m["fallback"]
         return m
 
 
@@ -233,24 +238,36 @@ def specs() -> list[AttnSpec]:
             served = [{"short": sch.get("short_splits"), **v} for v in (pref if isinstance(pref, list) else [pref])]
             for kv in sch["kv_dtypes"]:
                 for page in sch["pages"]:
-                    pick = next((v for v in served if _builds(v, kv, page)), None)
-                    if pick is None:
+                    usable = [v for v in served if _builds(v, kv, page)]
+                    if not usable:
                         raise AttnScheduleError(f"sm_{arch} {hkv} KV heads: no served schedule builds {kv} KV "
                                                 f"with {page}-token pages (default_for lists only wg ones?)")
-                    variants = [(pick, True)] + [(v, False) for v in a.get("extra", [])]
-                    for var, default in variants:
-                        # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes
-                        if not default and not _builds(var, kv, page, extra=True):
-                            continue
-                        sp = int(var["split"][hkv]) if "split" in var else split
-                        spec = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), int(var["tile"]),
-                                        int(var["stages"]), sp, kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)),
-                                        ds=int(var.get("ds", 1)), short=_tiers(var.get("short"), hkv),
-                                        wg=int(var.get("wg", 0)),
-                                        default=default,
-                                        serves=tuple(sorted(users)))
-                        check(spec, int(a["smem_limit"]))
-                        out.setdefault(spec.name, spec)  # an extra equal to the served schedule stays default
+                    base = AttnSpec(arch, hq, hkv, d, int(sch["query_rows"]), kv, int(page), 0, 0, split,
+                                    serves=tuple(sorted(users)))
+
+                    def make(var: dict[str, Any], default: bool, base: AttnSpec = base) -> AttnSpec:
+                        spec = replace(base, tile=int(var["tile"]), stages=int(var["stages"]),
+                                       split=int(var["split"][base.hkv]) if "split" in var else base.split,
+                                       kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)), ds=int(var.get("ds", 1)),
+                                       short=_tiers(var.get("short"), base.hkv), wg=int(var.get("wg", 0)),
+                                       default=default)
+                        check(spec, int(sch["archs"][base.arch]["smem_limit"]))
+                        return spec
+
+                    pick = make(usable[0], True)
+                    # a served wg kernel keeps the list's next mma.sync schedule as its fallback (built too)
+                    back = next((v for v in usable[1:] if not v.get("wg")), None) if pick.wg else None
+                    if back is not None:
+                        fb = make(back, False)
+                        out.setdefault(fb.name, fb)
+                        pick = replace(pick, fallback=fb.name)
+                    out[pick.name] = pick
+                    # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes; an
+                    # extra equal to the served schedule stays the served one
+                    for var in a.get("extra", []):
+                        if _builds(var, kv, page, extra=True):
+                            spec = make(var, False)
+                            out.setdefault(spec.name, spec)
     return [out[n] for n in sorted(out)]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 from functools import cache
 from typing import Any
 
@@ -71,9 +72,13 @@ def kernel_arch(device: torch.device, arch: int | None = None) -> int:
 
 
 def select_kernel(arch: int, hq: int, hkv: int, d: int, kv: str, page: int, name: str | None = None) -> dict[str, Any]:
-    """The manifest entry serving these parameters: the schedule's default, or the kernel ``name``."""
+    """The manifest entry serving these parameters: the schedule's default, or the kernel ``name``.
+    DFLASHGEN_ATTN_WG=0 serves a default sm_90a wgmma kernel's mma.sync fallback instead (its
+    entry's ``fallback``: the next schedule of attention.yaml's default_for list)."""
     found = [e for e in attention_entries() if (e["arch"], e["hq"], e["hkv"], e["d"], e["kv"], e["page"])
              == (arch, hq, hkv, d, kv, page)]
+    if name is None and os.environ.get("DFLASHGEN_ATTN_WG", "1") == "0":
+        name = next((e.get("fallback") for e in found if e["default"] and e.get("wg")), None)
     found = [e for e in found if (e["name"] == name if name is not None else e["default"])]
     if not found:
         have = sorted({(e["hq"], e["hkv"], e["d"], e["kv"], e["page"]) for e in attention_entries()

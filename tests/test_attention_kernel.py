@@ -675,3 +675,18 @@ def test_served_schedule_preference_list(monkeypatch) -> None:
     monkeypatch.setattr(af, "load_schedule", lambda: only_wg)
     with pytest.raises(af.AttnScheduleError, match="no served schedule builds fp16 KV with 4-token pages"):
         af.specs()
+
+
+def test_wgmma_default_can_be_switched_off(monkeypatch) -> None:
+    """DFLASHGEN_ATTN_WG=0 serves a default wgmma kernel's mma.sync fallback (built, same split rule);
+    schedules without a wgmma default are unaffected."""
+    for hq, hkv in TARGET_HEADS:
+        monkeypatch.delenv("DFLASHGEN_ATTN_WG", raising=False)
+        wg = select_kernel(90, hq, hkv, 256, "fp16", 16)
+        fp8 = select_kernel(90, hq, hkv, 256, "e4m3", 16)
+        assert wg.get("wg") == 1 and wg["fallback"] and "fallback" not in fp8
+        monkeypatch.setenv("DFLASHGEN_ATTN_WG", "0")
+        mma = select_kernel(90, hq, hkv, 256, "fp16", 16)
+        assert mma["name"] == wg["fallback"] and not mma.get("wg") and not mma["default"]
+        assert (mma["split"], mma["short"]) == (wg["split"], wg["short"])  # same split boundaries
+        assert select_kernel(90, hq, hkv, 256, "e4m3", 16) == fp8
