@@ -318,6 +318,37 @@ struct VerifyAttention {
   // Valid request? (its length covers the query rows and fits the block table)
   __device__ static bool length_ok(int len, int nq, int capacity) { return len >= nq && len <= capacity; }
 
+  // This thread's page id of the split under each split size the rule can pick, loaded together with
+  // the length (in bounds of the table row; -1 past it): the one the length picks is in hand when
+  // the length arrives, one dependent round trip less before the first K/V copy. Checked by
+  // stage_pages, and only where used. (Shared with VerifyAttentionWg.)
+  __device__ static void page_candidates(const int* table, int table_stride, int split, int (&cand)[Cfg::NSIZES]) {
+#pragma unroll
+    for (int t = 0; t < Cfg::NSIZES; ++t) {
+      const int sz = Cfg::size_at(t), pg = split * sz / PAGE + static_cast<int>(threadIdx.x);
+      cand[t] = ldg_if(table + pg, static_cast<int>(threadIdx.x) < (sz + PAGE - 1) / PAGE + 1 && pg < table_stride);
+    }
+  }
+
+  // The split's npg page ids from page pg0 into spages, checked once (bad ones flag the error and
+  // read as -1: their tiles are zeros), by the CTA's NTHREADS threads.
+  template <int NTHREADS>
+  __device__ static void stage_pages(const int (&cand)[Cfg::NSIZES], int size, const int* table, int pg0, int npg,
+                                     int num_blocks, int* err, int* spages) {
+    int mine = cand[0];  // page pg0 + threadIdx.x under this request's split size
+#pragma unroll
+    for (int t = 1; t < Cfg::NSIZES; ++t)
+      if (size == Cfg::size_at(t)) mine = cand[t];
+    for (int i = threadIdx.x; i < npg; i += NTHREADS) {
+      int blk = i == static_cast<int>(threadIdx.x) ? mine : __ldg(table + pg0 + i);
+      if (blk < 0 || blk >= num_blocks) {
+        atomicOr(err, ATTN_ERR_PAGE);
+        blk = -1;
+      }
+      spages[i] = blk;
+    }
+  }
+
   // K and V tokens [t0, t0 + TT) of this request (zeros past `end`) into stage buffer `raw`. `pages`:
   // the split's page ids from page pg0 on, staged in shared memory (-1: out of range, already flagged),
   // so no copy waits on a dependent global load of the block table.
@@ -372,16 +403,8 @@ struct VerifyAttention {
                              int max_splits, int* __restrict__ err, char* smem) {
     const int part = blockIdx.x % HS, kh = blockIdx.x / HS, b = blockIdx.y, split = blockIdx.z;  // split index
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
-    // This thread's page id of the split under each split size the rule can pick, loaded together with
-    // the length (in bounds of the table row; -1 past it): the one the length picks is in hand when
-    // the length arrives, one dependent round trip less before the first K/V copy. Checked below
-    // exactly as before, and only where used.
     int cand[Cfg::NSIZES];
-#pragma unroll
-    for (int t = 0; t < Cfg::NSIZES; ++t) {
-      const int sz = Cfg::size_at(t), pg = split * sz / PAGE + static_cast<int>(threadIdx.x);
-      cand[t] = ldg_if(table + pg, static_cast<int>(threadIdx.x) < (sz + PAGE - 1) / PAGE + 1 && pg < table_stride);
-    }
+    page_candidates(table, table_stride, split, cand);
     const int len = lengths[b];
     if (!length_ok(len, nq, table_stride * PAGE)) {
       if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
@@ -401,20 +424,8 @@ struct VerifyAttention {
     float* salpha = reinterpret_cast<float*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES) + team * 16;
     int* spages = reinterpret_cast<int*>(sraw + RAW_BYTES + CVT_BYTES + S_BYTES + P_BYTES + A_BYTES);
 
-    // The split's page ids, checked once (bad ones flag the error and read as zeros).
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
-    int mine = cand[0];  // page pg0 + threadIdx.x under this request's split size
-#pragma unroll
-    for (int t = 1; t < Cfg::NSIZES; ++t)
-      if (size == Cfg::size_at(t)) mine = cand[t];
-    for (int i = threadIdx.x; i < npg; i += THREADS) {
-      int blk = i == static_cast<int>(threadIdx.x) ? mine : __ldg(table + pg0 + i);
-      if (blk < 0 || blk >= num_blocks) {
-        atomicOr(err, ATTN_ERR_PAGE);
-        blk = -1;
-      }
-      spages[i] = blk;
-    }
+    stage_pages<THREADS>(cand, size, table, pg0, npg, num_blocks, err, spages);
     __syncthreads();
 
     // Pipeline prologue first, so the K/V copies are in flight while Q is staged.

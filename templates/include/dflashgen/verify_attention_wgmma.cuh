@@ -241,13 +241,8 @@ struct VerifyAttentionWg {
                              int max_splits, int* __restrict__ err, char* smem_raw) {
     const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
-    // The split's page id under each split size the rule can pick, loaded with the length (as VerifyAttention).
-    int cand[Cfg::NSIZES];
-#pragma unroll
-    for (int t = 0; t < Cfg::NSIZES; ++t) {
-      const int sz = Cfg::size_at(t), pg = split * sz / PAGE + static_cast<int>(threadIdx.x);
-      cand[t] = ldg_if(table + pg, static_cast<int>(threadIdx.x) < (sz + PAGE - 1) / PAGE + 1 && pg < table_stride);
-    }
+    int cand[Cfg::NSIZES];  // the split's page id under each split size, loaded with the length
+    Base::page_candidates(table, table_stride, split, cand);
     const int len = lengths[b];
     if (!Base::length_ok(len, nq, table_stride * PAGE)) {
       if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, ATTN_ERR_LENGTH);
@@ -264,20 +259,8 @@ struct VerifyAttentionWg {
     const u32 sq = raw_addr + pad, sst = sq + Q_BYTES;
     int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES);
 
-    // The split's page ids, checked once (bad ones flag the error and read as zeros).
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
-    int mine = cand[0];
-#pragma unroll
-    for (int t = 1; t < Cfg::NSIZES; ++t)
-      if (size == Cfg::size_at(t)) mine = cand[t];
-    for (int i = threadIdx.x; i < npg; i += THREADS) {
-      int blk = i == static_cast<int>(threadIdx.x) ? mine : __ldg(table + pg0 + i);
-      if (blk < 0 || blk >= num_blocks) {
-        atomicOr(err, ATTN_ERR_PAGE);
-        blk = -1;
-      }
-      spages[i] = blk;
-    }
+    Base::template stage_pages<THREADS>(cand, size, table, pg0, npg, num_blocks, err, spages);
     __syncthreads();
 
     // Pipeline prologue, then Q (zeros for padded rows and rows past nq) while the copies fly.
