@@ -74,10 +74,17 @@ def kernel_arch(device: torch.device, arch: int | None = None) -> int:
 def select_kernel(arch: int, hq: int, hkv: int, d: int, kv: str, page: int, name: str | None = None) -> dict[str, Any]:
     """The manifest entry serving these parameters: the schedule's default, or the kernel ``name``.
     DFLASHGEN_ATTN_WG=0 serves a default sm_90a wgmma kernel's mma.sync fallback instead (its
-    entry's ``fallback``: the next schedule of attention.yaml's default_for list)."""
+    entry's ``fallback``: the next schedule of attention.yaml's default_for list). Cached: an eager
+    call pays a dictionary lookup, not a scan of the manifest."""
+    return _select(arch, hq, hkv, d, kv, page, name, os.environ.get("DFLASHGEN_ATTN_WG", "1") == "0")
+
+
+@cache
+def _select(arch: int, hq: int, hkv: int, d: int, kv: str, page: int, name: str | None,
+            wg_off: bool) -> dict[str, Any]:
     found = [e for e in attention_entries() if (e["arch"], e["hq"], e["hkv"], e["d"], e["kv"], e["page"])
              == (arch, hq, hkv, d, kv, page)]
-    if name is None and os.environ.get("DFLASHGEN_ATTN_WG", "1") == "0":
+    if name is None and wg_off:
         name = next((e.get("fallback") for e in found if e["default"] and e.get("wg")), None)
     found = [e for e in found if (e["name"] == name if name is not None else e["default"])]
     if not found:
