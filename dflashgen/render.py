@@ -205,6 +205,14 @@ def header_hash(source: str) -> str:
     return h.hexdigest()
 
 
+def gemm_source_hash() -> str:
+    """Hash of what every GEMM kernel is rendered and built from besides its manifest entry: the
+    template and the header closure it includes (the wgmma header too: skinny_gemm.cuh includes it)."""
+    root = Path(str(resources.files("dflashgen.templates")))
+    template = (root / "skinny_gemm.cu.j2").read_text()
+    return hashlib.sha256((template + header_hash(template)).encode()).hexdigest()
+
+
 def _template_files() -> list[str]:
     root = Path(str(resources.files("dflashgen.templates")))
     return [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".j2", ".cuh")]

@@ -34,11 +34,16 @@ _Dispatch = tuple[Choice, str, tuple[str, int, str]]  # choice, table key, path_
 
 @lru_cache(maxsize=1)
 def kernel_library_hash() -> str:
-    """Identity of the generated GEMM set (tables are only valid for the kernels they timed; other
-    kernel families in the manifest do not invalidate them)."""
+    """Identity of the generated GEMM set: its manifest entries and the sources each is built from
+    (the GEMM template and the headers it includes, transitively). Tables are valid only for the
+    kernels they timed, so a change to a GEMM header makes them stale as a new tile does; other
+    kernel families' entries and headers do not."""
+    from dflashgen.render import gemm_source_hash
+
     manifest = json.loads((resources.files("dflashgen.generated") / "manifest.json").read_text())
-    data = json.dumps(manifest["kernels"], sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(data).hexdigest()[:16]
+    h = hashlib.sha256(json.dumps(manifest["kernels"], sort_keys=True, separators=(",", ":")).encode())
+    h.update(gemm_source_hash().encode())
+    return h.hexdigest()[:16]
 
 
 def machine_fingerprint(device: torch.device) -> dict[str, Any]:

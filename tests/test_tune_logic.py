@@ -269,3 +269,23 @@ def test_bench_report_names_failed_problems() -> None:
     assert "**INCOMPLETE**: 1 problem(s) failed" in md
     assert "## Failed problems" in md and "- `sm90/fp8_channel/store/n3584/k5120`: AcceleratorError: capture" in md
     assert "INCOMPLETE" not in markdown({**report, "failed": {}})
+
+
+def test_kernel_library_hash_covers_the_gemm_sources(monkeypatch) -> None:
+    """A table is bound to the GEMM kernels it timed: their manifest entries and the template and
+    header closure they are built from (an edited GEMM header makes committed tables stale)."""
+    from dflashgen import render
+    from dflashgen.runtime.library import kernel_library_hash
+
+    base = kernel_library_hash()
+    assert kernel_library_hash() == base  # deterministic
+    real = render.header_hash
+    seen: list[str] = []
+
+    def edited(src: str) -> str:
+        seen.append(src)
+        return real(src) + "edited"
+
+    monkeypatch.setattr(render, "header_hash", edited)
+    assert kernel_library_hash() != base
+    assert seen and "skinny_gemm.cuh" in seen[0]  # what is hashed is the GEMM template's closure
