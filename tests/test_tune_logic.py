@@ -274,8 +274,9 @@ def test_bench_report_names_failed_problems() -> None:
 def test_kernel_library_hash_covers_the_gemm_sources(monkeypatch) -> None:
     """A table is bound to the GEMM kernels it timed: their manifest entries and the template and
     header closure they are built from (an edited GEMM header makes committed tables stale)."""
-    from dflashgen import render
     from dflashgen.runtime.library import kernel_library_hash
+
+    from dflashgen import render
 
     base = kernel_library_hash()
     assert kernel_library_hash() == base  # deterministic
@@ -287,5 +288,9 @@ def test_kernel_library_hash_covers_the_gemm_sources(monkeypatch) -> None:
         return real(src) + "edited"
 
     monkeypatch.setattr(render, "header_hash", edited)
-    assert kernel_library_hash() != base
+    kernel_library_hash.cache_clear()  # cached per process: the sources do not change under a runtime
+    try:
+        assert kernel_library_hash() != base
+    finally:
+        kernel_library_hash.cache_clear()
     assert seen and "skinny_gemm.cuh" in seen[0]  # what is hashed is the GEMM template's closure
