@@ -240,6 +240,15 @@ __device__ __forceinline__ void fp8x4_to_half(u32 w, u32& lo, u32& hi) {
   }
 }
 
+// Sixteen FP8 bytes (one stored chunk) -> sixteen halves: the chunk's first 8 in lo, last 8 in hi.
+template <KvType KV>
+__device__ __forceinline__ void fp8x16_to_half(const uint4& w, uint4& lo, uint4& hi) {
+  fp8x4_to_half<KV>(w.x, lo.x, lo.y);
+  fp8x4_to_half<KV>(w.y, lo.z, lo.w);
+  fp8x4_to_half<KV>(w.z, hi.x, hi.y);
+  fp8x4_to_half<KV>(w.w, hi.z, hi.w);
+}
+
 template <class Cfg>
 struct VerifyAttention {
   using Mma = typename Cfg::Mma;
@@ -378,10 +387,7 @@ struct VerifyAttention {
       const int tok = rem / RAW_CH, c = rem % RAW_CH;
       const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
       uint4 lo, hi;
-      fp8x4_to_half<Cfg::KV>(w.x, lo.x, lo.y);
-      fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
-      fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
-      fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
+      fp8x16_to_half<Cfg::KV>(w, lo, hi);
       __half* dst = cvt + which * TT * D;
       *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c)) = lo;
       *reinterpret_cast<uint4*>(dst + 8 * swz<CH>(tok, 2 * c + 1)) = hi;

@@ -224,10 +224,7 @@ struct VerifyAttentionWg {
       const int tok = rem / RAW_CH, c = rem % RAW_CH;
       const uint4 w = *reinterpret_cast<const uint4*>(raw + which * RAW_TILE + 16 * swz<RAW_CH>(tok, c));
       uint4 lo, hi;
-      fp8x4_to_half<Cfg::KV>(w.x, lo.x, lo.y);
-      fp8x4_to_half<Cfg::KV>(w.y, lo.z, lo.w);
-      fp8x4_to_half<Cfg::KV>(w.z, hi.x, hi.y);
-      fp8x4_to_half<Cfg::KV>(w.w, hi.z, hi.w);
+      fp8x16_to_half<Cfg::KV>(w, lo, hi);
       char* dst = cvt + (which * KVG + tok / T) * KV_TILE;
       *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c)) = lo;
       *reinterpret_cast<uint4*>(dst + wgattn::sw128_off<T>(tok % T, 2 * c + 1)) = hi;
