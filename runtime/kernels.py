@@ -178,8 +178,7 @@ class GemmKernel:
                 # Nothing is allocated under capture: a memset captured here would zero the counters
                 # only when this graph replays (not before an eager launch or another graph captured
                 # on this stream), and a buffer from the graph's private pool would outlive the graph
-                # here, so freeing it later (this kernel is collected whenever the GC runs: it and its
-                # launch reference each other) could release that pool, a cudaFree, during another
+                # here, so freeing it later could release that pool, a cudaFree, during another
                 # capture. The spare was made by an earlier launch outside capture (torch.cuda.graph
                 # synchronizes the device before capturing, so its counters are zero).
                 ws, self._spare = self._spare, None
