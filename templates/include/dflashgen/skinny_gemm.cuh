@@ -376,8 +376,9 @@ struct SkinnyGemm {
       cp_async_commit();
     };
     // One CTA-wide barrier per group (a named barrier per worker would make ptxas reserve all 16
-    // and cap resident CTAs): the workers walk their ranges in lockstep for `steps` groups, the
-    // most any worker of this CTA has; one with fewer skips its MMAs in that last step.
+    // and cap resident CTAs; warps_n = 1 tiles need only a warp barrier): the workers walk their
+    // ranges for `steps` groups, the most any worker of this CTA has; one with fewer skips its MMAs
+    // in that last step.
     int steps = 0;
 #pragma unroll
     for (int w = 0; w < Cfg::WARPS_K; ++w) {
@@ -396,7 +397,9 @@ struct SkinnyGemm {
     // decode the weights and refill their ring, MMAs with B from shared memory.
     auto step = [&](const int u, const int a, const bool tail) {
       cp_async_wait<XST - 2>();
-      __syncthreads();
+      // One warp per K worker (warps_n = 1): the ring is the warp's own (its lanes copy and read it),
+      // so a warp barrier orders the copies and the reads; the warps run free of each other.
+      if constexpr (Cfg::WARPS_N == 1) __syncwarp(); else __syncthreads();
       copy((u + XST - 1) % XST, (u + XST - 1) * T::KG, a + XST - 1 < groups);
       if (tail && a >= groups) return;  // only in the last trip (full trips end before `groups`)
       const int s = u % Cfg::STAGES;
