@@ -247,7 +247,7 @@ def specs() -> list[AttnSpec]:
 
                     def make(var: dict[str, Any], default: bool, base: AttnSpec = base) -> AttnSpec:
                         spec = replace(base, tile=int(var["tile"]), stages=int(var["stages"]),
-                                       split=int(var["split"][base.hkv]) if "split" in var else base.split,
+                                       split=int(var.get("split", {}).get(base.hkv, base.split)),
                                        kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)), ds=int(var.get("ds", 1)),
                                        short=_tiers(var.get("short"), base.hkv), wg=int(var.get("wg", 0)),
                                        default=default)

@@ -148,7 +148,9 @@ def test_wgmma_specs_render_and_name() -> None:
     assert "wg" not in plain.meta() and "target" not in plain.meta() and "_wg" not in plain.name
     assert "VerifyAttentionWg" not in af.render(plain) and "__align__(128)" in af.render(plain)
     wgs = [s for s in af.specs() if s.wg]
-    assert wgs and all(s.arch == 90 and s.page == 16 and (s.default == (s.kv == "fp16" and s.short != ())) for s in wgs
+    rules = af.load_schedule()["short_splits"]
+    assert wgs and all(s.arch == 90 and s.page == 16
+                       and s.default == (s.kv == "fp16" and [list(t) for t in s.short] == rules[s.hkv]) for s in wgs
                        if (s.tile, s.stages, s.kvg, s.split) in ((32, 2, 1, 512), (32, 2, 1, 128)))
     assert {s.hkv for s in wgs if s.default} == {hkv for _, hkv in TARGET_HEADS}
     assert {s.kv for s in wgs} == {"fp16", "e5m2", "e4m3"}
