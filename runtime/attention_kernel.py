@@ -265,7 +265,7 @@ def paged_verify_attention(
         _fail(f"{nb} requests x {max_splits} splits (block table capacity {cap} tokens): the launch grid takes "
               f"at most {_GRID_YZ} of each")
     rows = entry["rows"]
-    part_o = torch.empty(nb * hkv * max_splits * rows * d, dtype=torch.float32, device=dev)
+    part_o = torch.empty(nb * hkv * max_splits * rows * d, dtype=torch.float16, device=dev)  # O / sum per split
     part_ml = torch.empty(nb * hkv * max_splits * rows * 2, dtype=torch.float32, device=dev)
     fp8_unit = 256.0 if kv == "e4m3" else 1.0  # E4M3 decodes to value * 2^-8 (exact)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -49,7 +49,7 @@ static_assert(Attn::THREADS == 128 && Attn::SMEM == 99472, "schedule and header 
 extern "C" __global__ void __launch_bounds__(128, 1)
 dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128(const __half* __restrict__ q, int nq, const char* __restrict__ kpool, const char* __restrict__ vpool,
     long long block_stride, int num_blocks, const int* __restrict__ block_tables, int table_stride,
-    const int* __restrict__ lengths, float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
+    const int* __restrict__ lengths, float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
     int max_splits, int* __restrict__ err) {
   extern __shared__ __align__(1024) char smem[];
   Attn::run(q, nq, kpool, vpool, block_stride, num_blocks, block_tables, table_stride, lengths, qk_scale, part_o,
@@ -57,7 +57,7 @@ dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8
 }
 
 extern "C" __global__ void __launch_bounds__(64)
-dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
+dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128_merge(const __half* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
     const int* __restrict__ lengths, int capacity, int max_splits, float v_scale, float* __restrict__ out) {
   Attn::merge(part_o, part_ml, nq, lengths, capacity, max_splits, v_scale, out);
 }

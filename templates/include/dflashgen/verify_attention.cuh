@@ -12,8 +12,9 @@
 // are decoded exactly to FP16 there, and each warp owns 16 rows of one of KVG token groups:
 //   S = Q K^T (MMA, FP32)  ->  smem  ->  online softmax in FP32 (exp2 domain, causal mask)  ->
 //   P (FP16) -> smem  ->  O = O * alpha + P V (MMA, FP32).
-// The per-split (max, sum, O) go to a workspace; the merge kernel combines a request's splits in
-// ascending split order. Split boundaries are multiples of split_for(len) from position 0, so they
+// The per-split (max, sum) go to a workspace in FP32 and O / sum in FP16 (a convex combination of V
+// rows, so within FP16's range; half the bytes of FP32 partials, which at 16K cost ~8-14% of the
+// K/V traffic); the merge kernel combines a request's splits in ascending split order. Split boundaries are multiples of split_for(len) from position 0, so they
 // depend on the request's own length only: a request's output is bitwise the same in any batch.
 // Lengths and block tables are read on the device (CUDA-graph replay with new values works);
 // bad lengths / page ids raise bits in *err and never cause an out-of-bounds read.
@@ -405,7 +406,7 @@ struct VerifyAttention {
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
-                             float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
+                             float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem) {
     const int part = blockIdx.x % HS, kh = blockIdx.x / HS, b = blockIdx.y, split = blockIdx.z;  // split index
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
@@ -522,14 +523,20 @@ struct VerifyAttention {
       combine_groups(reinterpret_cast<float*>(smem), grp, rw, dh, lane, srow, half, m_run, l_run, o);
     if (grp > 0) return;
 
-    // Partial results of this split: unnormalised O, and (max, sum) per row (max in log2 units).
+    // Partial results of this split: O / sum in FP16 (0 for a row the split does not reach), and
+    // (max, sum) per row (max in log2 units). The team's softmax lanes hand 1 / sum to the
+    // accumulator rows through salpha (free once every warp of the team is past its last PV).
+    team_sync(team);
+    if ((DS == 1 || dh == 0) && half == 0) salpha[srow] = l_run > 0.0f ? 1.0f / l_run : 0.0f;
+    team_sync(team);
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
-    float* po = part_o + (slot * ROWS_ALL + part * ROWS) * D;
+    __half* po = part_o + (slot * ROWS_ALL + part * ROWS) * D;
 #pragma unroll
     for (int n = 0; n < NACC; ++n)
 #pragma unroll
       for (int e = 0; e < ACC_E; ++e)
-        po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(dh * NACC + n, e)] = o[n][e];
+        po[(16 * rw + Mma::acc_row(n, e)) * D + Mma::acc_col(dh * NACC + n, e)] =
+            __float2half_rn(o[n][e] * salpha[Mma::acc_row(n, e)]);
     if (half == 0 && dh == 0) {  // the team's softmax warp holds the row state
       float* pml = part_ml + (slot * ROWS_ALL + part * ROWS + 16 * rw + srow) * 2;
       pml[0] = m_run;
@@ -590,8 +597,9 @@ struct VerifyAttention {
   }
 
   // Grid (ROWS_ALL, HKV, B), D / 4 threads: row r of (request, KV head), 4 columns per thread.
-  // Splits are combined in ascending order; out is FP32 [B, nq, HQ, D].
-  __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
+  // Splits are combined in ascending order, split j weighted by sum_j 2^(max_j - max); out is FP32
+  // [B, nq, HQ, D].
+  __device__ static void merge(const __half* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
                                const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
                                float* __restrict__ out) {
     const int r = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
@@ -628,14 +636,20 @@ struct VerifyAttention {
         for (int j = 0; j < MCH; ++j) {
           const bool ok = s0 + j < ns;
           p[j] = ok ? *reinterpret_cast<const float2*>(ml + (s0 + j) * ROWS_ALL * 2) : make_float2(0.0f, 0.0f);
-          x[j] = ok ? *reinterpret_cast<const float4*>(part_o + ((slot0 + s0 + j) * ROWS_ALL + r) * D + 4 * threadIdx.x)
-                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (ok) {
+            const uint2 h = *reinterpret_cast<const uint2*>(part_o + ((slot0 + s0 + j) * ROWS_ALL + r) * D + 4 * threadIdx.x);
+            const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+            const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+            x[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
+          } else {
+            x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
         }
 #pragma unroll
         for (int j = 0; j < MCH; ++j) {
           if (s0 + j >= ns) break;
-          const float w = exp2f(p[j].x - mx);  // split 0 holds position 0: mx is finite
-          den += p[j].y * w;
+          const float w = p[j].y * exp2f(p[j].x - mx);  // split 0 holds position 0: mx is finite
+          den += w;
           num.x += x[j].x * w;
           num.y += x[j].y * w;
           num.z += x[j].z * w;

@@ -234,7 +234,7 @@ struct VerifyAttentionWg {
   __device__ static void run(const __half* __restrict__ q, int nq, const char* __restrict__ kpool,
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
-                             float qk_scale, float* __restrict__ part_o, float* __restrict__ part_ml,
+                             float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem_raw) {
     const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
@@ -501,16 +501,19 @@ struct VerifyAttentionWg {
       }
     }
 
-    // Partial results of this split (real rows only): unnormalised O, (max, sum) per row (log2 units).
+    // Partial results of this split (real rows only): O / sum in FP16 (0 for a row the split does not
+    // reach), (max, sum) per row (log2 units); the merge is the base kernel's.
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
-    float* po = part_o + slot * ROWS * D;
+    __half* po = part_o + slot * ROWS * D;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r = 16 * warp + g + 8 * j;
       if (r < ROWS) {
+        const float inv = l_run[j] > 0.0f ? 1.0f / l_run[j] : 0.0f;
 #pragma unroll
         for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<float2*>(po + r * D + 8 * n + 2 * tq) = make_float2(o[4 * n + 2 * j], o[4 * n + 2 * j + 1]);
+          *reinterpret_cast<__half2*>(po + r * D + 8 * n + 2 * tq) =
+              __floats2half2_rn(o[4 * n + 2 * j] * inv, o[4 * n + 2 * j + 1] * inv);
         if (tq == 0) {
           float* pml = part_ml + (slot * ROWS + r) * 2;
           pml[0] = m_run[j];
@@ -520,7 +523,7 @@ struct VerifyAttentionWg {
     }
   }
 
-  __device__ static void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
+  __device__ static void merge(const __half* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
                                const int* __restrict__ lengths, int capacity, int max_splits, float v_scale,
                                float* __restrict__ out) {
     Base::merge(part_o, part_ml, nq, lengths, capacity, max_splits, v_scale, out);
