@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .tune import problems_for, tune_problem
+from .tune import problems_for, selected, tune_problem
 
 REPORT_MS = (1, 8, 16, 32, 64)
 
@@ -43,7 +43,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     failed: dict[str, str] = {}  # problem -> the error that stopped its measurement
     t0 = time.time()
     targets = load_targets(targets_path)
-    for p in tqdm([p for p in problems_for(targets, arch) if not only or only in p.key], desc="bench", unit="problem"):
+    for p in tqdm(selected(problems_for(targets, arch), only), desc="bench", unit="problem"):
         entries = by_key[p.key]
         if table is not None:
             chosen = {b.get("kernel") for b in table.problems().get(p.key, {}).get("buckets", [])}

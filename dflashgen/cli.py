@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("tune", help="race kernels vs cuBLAS per projection and M; write tuning/<gpu>.json")
     t.add_argument("--targets", default=None, help="targets file (default schedules/targets.yaml)")
     t.add_argument("--out", default=None, help="table path (default the package's tuning/<gpu>.json)")
-    t.add_argument("--only", default=None, help="substring of problem keys to tune")
+    t.add_argument("--only", default=None, help="regex on problem keys to tune")
     t.add_argument("--ms", type=int, nargs="+", default=None, help="M buckets")
     t.add_argument("--heuristic", type=int, metavar="ARCH", default=None,
                    help="no GPU: write an untuned cost-model table for this arch (e.g. 70)")
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--table", default=None)
     be.add_argument("--out", default="bench")
     be.add_argument("--targets", default=None)
-    be.add_argument("--only", default=None)
+    be.add_argument("--only", default=None, help="regex on problem keys (sm90/nvfp4/store/n5120/k1536)")
     be.add_argument("--ms", type=int, nargs="+", default=None)
     be.add_argument("--race-all", action="store_true", help="no table: race every candidate")
     be.set_defaults(fn=_bench)

@@ -16,6 +16,7 @@ Results are journaled after every problem, so an interrupted run resumes where i
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -108,6 +109,11 @@ def problems_for(targets: list[Any], arch: int) -> list[Problem]:
             p.serves.append(f"{t.model}/tp{t.tp}/{proj.name}" + ("+silu" if silu else ""))
             p.count += proj.count
     return [out[k] for k in sorted(out)]
+
+
+def selected(problems: list[Problem], only: str | None) -> list[Problem]:
+    """The problems whose key (``sm90/nvfp4/store/n5120/k1536``) matches the regex ``only`` (all: None)."""
+    return [p for p in problems if not only or re.search(only, p.key)]
 
 
 @dataclass
@@ -287,7 +293,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     out = out or default_table_path(device)
     journal = journal or out.with_suffix(".journal.json")
     done = load_journal(journal, fp)
-    probs = [p for p in problems_for(load_targets(targets_path), arch) if not only or only in p.key]
+    probs = selected(problems_for(load_targets(targets_path), arch), only)
     images, entries_by_key = native_kernels(arch)
     bw = read_bandwidth(device)
     fp8_ok = arch >= 89

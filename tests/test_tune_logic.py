@@ -294,3 +294,16 @@ def test_kernel_library_hash_covers_the_gemm_sources(monkeypatch) -> None:
     finally:
         kernel_library_hash.cache_clear()
     assert seen and "skinny_gemm.cuh" in seen[0]  # what is hashed is the GEMM template's closure
+
+
+def test_only_selects_problems_by_regex() -> None:
+    """`dflashgen tune / bench --only` is a regex on problem keys (a plain substring still works)."""
+    from dflashgen.render import load_targets
+    from dflashgen.tune import problems_for, selected
+
+    probs = problems_for(load_targets(None), 90)
+    assert selected(probs, None) == probs
+    keys = [p.key for p in selected(probs, "n3584|k1536")]
+    assert keys and all("n3584" in k or "k1536" in k for k in keys)
+    assert {p.key for p in probs if "n3584" in p.key or "k1536" in p.key} == set(keys)
+    assert [p.key for p in selected(probs, "nvfp4/store/n5120/k1536")] == ["sm90/nvfp4/store/n5120/k1536"]
