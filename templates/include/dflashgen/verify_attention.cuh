@@ -14,8 +14,9 @@
 //   P (FP16) -> smem  ->  O = O * alpha + P V (MMA, FP32).
 // The per-split (max, sum) go to a workspace in FP32 and O / sum in FP16 (a convex combination of V
 // rows, so within FP16's range; half the bytes of FP32 partials, which at 16K cost ~8-14% of the
-// K/V traffic); the merge kernel combines a request's splits in ascending split order. Split boundaries are multiples of split_for(len) from position 0, so they
-// depend on the request's own length only: a request's output is bitwise the same in any batch.
+// K/V traffic); the merge kernel combines a request's splits in ascending split order. Split
+// boundaries are multiples of split_for(len) from position 0, so they depend on the request's own
+// length only: a request's output is bitwise the same in any batch.
 // Lengths and block tables are read on the device (CUDA-graph replay with new values works);
 // bad lengths / page ids raise bits in *err and never cause an out-of-bounds read.
 #pragma once
