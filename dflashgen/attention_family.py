@@ -109,7 +109,8 @@ class AttnSpec:
             kvb, ncvt = (2, 0) if self.kv == "fp16" else (1, 1 if self.stages == 2 else 2)
             tt = self.tile * self.kvg
             return (1024 + WG_ROWS * self.d * 2 + self.stages * 2 * tt * self.d * kvb
-                    + ncvt * 2 * tt * self.d * 2 + pages_bytes + 16 * self.stages * self.tma)  # TMA: 2 mbarriers per stage
+                    + ncvt * 2 * tt * self.d * 2 + pages_bytes
+                    + 16 * self.stages * self.tma)  # TMA: full / empty mbarriers per stage
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
         teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
         pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids

@@ -38,6 +38,27 @@
 // registers or reads its accumulators, and the softmax runs under the PV only if the P packing
 // (FP32 -> FP16 A fragments) follows the PV's wait: both checked on the SASS (no C7513 / C7514;
 // WARPGROUP.DEPBAR.LE gsb0 0x1 ... MUFU.EX2 ... 0x0).
+//
+// TMA variant (schedule `tma: 1`, `_wg1_tma1_` in the name; VerifyAttentionWg<Cfg, true>; FP16 KV,
+// whole 16-token pages per tile; session-7 helper, written before any GPU run). Only the copy
+// mechanism changes: the same tiles in the same order, the same QK / softmax / rescale / PV sequence,
+// partials, merge and error bits as the cp.async kernel of the same tile / stages / kvg / split rule,
+// so the outputs are bitwise equal to that twin. One extra warp (the producer, warp 4 x KVG: the
+// consumer warpgroups keep warps 0 .. 4 KVG - 1 and their thread indexing) stages the page ids with
+// everyone, then its lane 0 issues every K/V copy as cp.async.bulk.tensor.4d from two tensor maps
+// (kernel parameters, const __grid_constant__, built on the host by cuTensorMapEncodeTiled over the K
+// and V pools: dims (D, Hkv, page, num_blocks), SWIZZLE_128B, box (64, 1, PAGE, 1) = one 64-column
+// atom of one KV head's page = one 16-row x 128-byte swizzled block of the wgmma tile, so the TMA
+// writes exactly the layout the descriptors read). Ring stage s has a full mbarrier (count 1: the
+// producer's arrive.expect_tx of the stage's bytes, completed by the copies) and an empty mbarrier
+// (count 128 KVG: every consumer thread arrives once its PV of the stage was waited for); the producer
+// refills a slot as soon as it is released, up to STAGES stages ahead of the consumers (the cp.async
+// loops keep STAGES - 2 (overlapped) / 1 (in order) ahead). The consumers issue no copy instructions
+// and no CTA barrier per tile. Masking is kept exact: an invalid page id (-1 from stage_pages, which
+// flags ATTN_ERR_PAGE) and a page wholly past `end` are loaded from page index num_blocks, outside the
+// map: zero-filled, no global read, the whole box still counted; the tokens past `end` of the last,
+// partial page are zeroed by the consumers (K and V; then fence.proxy.async and a consumer barrier)
+// on the split's last stage only, so shared memory holds what the cp.async zero-fill gives.
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
