@@ -255,7 +255,8 @@ def test_wgmma_fragment_dataflow() -> None:
 
 def test_wgmma_layout_matches_cute(tmp_path) -> None:
     """The wg kernel's swizzled tiles, k-step starts and descriptor fields == CuTe's canonical GMMA
-    layouts and make_gmma_desc (tests/wgmma_attention_layout.cpp, compiled for the host with g++)."""
+    layouts and make_gmma_desc (tests/wgmma_attention_layout.cpp, compiled for the host with g++); the
+    tma: 1 kernel's SWIZZLE_128B boxes land every chunk where the cp.async copies put it."""
     import shutil
     import subprocess
     from pathlib import Path

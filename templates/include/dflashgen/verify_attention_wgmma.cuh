@@ -371,11 +371,12 @@ struct VerifyAttentionWg {
             for (int p = 0; p < TT / PAGE; ++p) {
               const int blk = t0 + p * PAGE < end ? spages[t0 / PAGE - pg0 + p] : -1;
               const int page = blk >= 0 ? blk : num_blocks;
-              const u32 dst = st + (p * PAGE / T) * KV_TILE + (p * PAGE % T) * 128;
+              const u32 dst = st + (p * PAGE / T) * KV_TILE;  // tile p PAGE / T of the stage
 #pragma unroll
               for (int a = 0; a < D / 64; ++a) {
-                wgattn::tma_load_4d(dst + a * T * 128, kmap, fb, 64 * a, kh, 0, page);
-                wgattn::tma_load_4d(dst + a * T * 128 + RAW_TILE, vmap, fb, 64 * a, kh, 0, page);
+                const u32 box = dst + wgattn::tma_box_off<T>(p * PAGE % T, a);
+                wgattn::tma_load_4d(box, kmap, fb, 64 * a, kh, 0, page);
+                wgattn::tma_load_4d(box + RAW_TILE, vmap, fb, 64 * a, kh, 0, page);
               }
             }
           }
