@@ -32,7 +32,7 @@ for s in "$@"; do
 dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_wg1_sp512 \
 dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st4_g1_hs1_ds1_wg1_sp512" OUT=$OUT bash "$(dirname "$0")/gpu_attn_ncu.sh" ;;
     tma) python3 -m pytest -q -m gpu tests/test_gpu_attention.py -p no:cacheprovider -rfE --durations=10 \
-           -k "tma or work_placement" &&
+           -k "tma- or tma] or test_tma or work_placement" &&
          dflashgen attn-bench --only "_t32_st[2-5]_g1_hs1_ds1_wg1_(tma1_)?($TP1_RULE|$TP4_RULE)\$" \
            --heads ${TMA_HEADS:-tp1 tp4} --contexts ${TMA_CONTEXTS:-4096 16384 32768} \
            --batches ${TMA_BATCHES:-1 2 4 8} --out "$OUT/tma-bench" ;;
