@@ -150,6 +150,45 @@ class _LaunchConfig(ctypes.Structure):
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+class TensorMapArg(ctypes.Structure):
+    """A ``const __grid_constant__ CUtensorMap`` kernel parameter: the 128 opaque bytes of a tensor map
+    (CUtensorMap is 64-byte aligned in CUDA; the kernel's parameter is laid out by the compiler and
+    cuLaunchKernel copies the bytes from the address it is given, so host alignment is not required:
+    ``_align_`` only takes effect on Python >= 3.13). Usable as an ``ArgPack`` type."""
+
+    _align_ = 64
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+    def load(self, src: TensorMapArg | int) -> TensorMapArg:
+        """Copy the 128 bytes of ``src`` (another TensorMapArg, or an address) into this one."""
+        ctypes.memmove(ctypes.addressof(self), ctypes.addressof(src) if isinstance(src, TensorMapArg) else src, 128)
+        return self
+
+
+assert ctypes.sizeof(TensorMapArg) == 128
+
+
+def encode_tensor_map(address: int, dims: Sequence[int], strides: Sequence[int], box: Sequence[int],
+                      dtype: str = "float16", swizzle: str = "128B") -> TensorMapArg:
+    """cuTensorMapEncodeTiled over a tensor at ``address`` -> its 128 bytes as a ``TensorMapArg``.
+    ``dims`` / ``box``: elements per dimension, innermost (contiguous) first; ``strides``: bytes of
+    dimensions 1 .. rank - 1. Interleave none, no L2 promotion beyond 256 B, out-of-bounds boxes
+    zero-filled (OOB_FILL_NONE), element strides 1."""
+    d = cu()
+    rank = len(dims)
+    if not (len(box) == rank and len(strides) == rank - 1):
+        raise ValueError(f"tensor map: {rank} dims need {rank} box sizes and {rank - 1} strides")
+    tmap = check(d.cuTensorMapEncodeTiled(
+        getattr(d.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype.upper()}"), rank, address,
+        [d.cuuint64_t(int(x)) for x in dims], [d.cuuint64_t(int(x)) for x in strides],
+        [d.cuuint32_t(int(x)) for x in box], [d.cuuint32_t(1)] * rank,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(d.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return TensorMapArg().load(int(tmap.getPtr()))
+
+
 class ArgPack:
     """Persistent storage for one kernel's parameters (ctypes types in parameter order) and the
     array of their addresses that cuLaunchKernel reads. Fill ``values`` and launch under ``lock``."""
