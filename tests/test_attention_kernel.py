@@ -666,18 +666,24 @@ class _Recorder:
         return Fn()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
-def test_launch_arguments(monkeypatch, dtype) -> None:
-    """The host side of a launch with the driver stubbed: grid, block, shared memory, strides of an
-    interleaved pool, the folded softmax / FP8 scales, and the capacity the kernels check against."""
-    import dflashgen.runtime.attention_kernel as ak
-
+def _stub_launches(monkeypatch, ak) -> _Recorder:
+    """attention_kernel's launches on the CPU: a sm_90 arch, stream 0, launches recorded by the result."""
     rec = _Recorder()
     monkeypatch.setattr(ak, "_require_cuda", lambda q: None)
     monkeypatch.setattr(ak, "kernel_arch", lambda dev, arch=None: 90)
     monkeypatch.setattr(ak, "_stream", lambda dev: (0, 0))
     monkeypatch.setattr(ak, "_launcher", lambda entry, idx: rec)
     monkeypatch.setattr(ak, "_err_flag", lambda idx: torch.zeros(1, dtype=torch.int32))
+    return rec
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_launch_arguments(monkeypatch, dtype) -> None:
+    """The host side of a launch with the driver stubbed: grid, block, shared memory, strides of an
+    interleaved pool, the folded softmax / FP8 scales, and the capacity the kernels check against."""
+    import dflashgen.runtime.attention_kernel as ak
+
+    rec = _stub_launches(monkeypatch, ak)
     kv = torch.zeros(10, 2, 16, 1, 256, dtype=dtype)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32)
     out = ak.paged_verify_attention(torch.zeros(2, 8, 6, 256), kv[:, 0], kv[:, 1], tables,
@@ -737,12 +743,7 @@ def test_tma_launch_passes_the_pools_tensor_maps(monkeypatch) -> None:
     fake = _FakeTmaDriver()
     monkeypatch.setattr(drv, "cu", lambda: fake)
     monkeypatch.setattr(ak, "_TMAPS", {})
-    rec = _Recorder()
-    monkeypatch.setattr(ak, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(ak, "kernel_arch", lambda dev, arch=None: 90)
-    monkeypatch.setattr(ak, "_stream", lambda dev: (0, 0))
-    monkeypatch.setattr(ak, "_launcher", lambda entry, idx: rec)
-    monkeypatch.setattr(ak, "_err_flag", lambda idx: torch.zeros(1, dtype=torch.int32))
+    rec = _stub_launches(monkeypatch, ak)
     kv = torch.zeros(10, 2, 16, 1, 256, dtype=torch.float16)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32)
     name = next(s.name for s in af.specs() if s.tma and s.hkv == 1 and s.stages == 3)

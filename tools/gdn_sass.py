@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
+
+from sass_count import built_kernels  # tools/ is the script's folder
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 RES = re.compile(r"Function (\S+):\s+REG:(\d+).*?SHARED:(\d+)", re.S)
@@ -61,15 +61,8 @@ def analyse(ins: list[tuple[int, str, str]]) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("regex")
-    ap.add_argument("--cache", default=os.environ.get("DFLASHGEN_CACHE", str(Path.home() / ".cache/dflashgen")))
-    ap.add_argument("--arch", default="90")
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
-    a = ap.parse_args()
-    build = Path(a.cache) / "build"
-    rec = json.loads((build / f"sm_{a.arch}" / "record.json").read_text())["kernels"]
-    for name in sorted(n for n in rec if re.search(a.regex, n)):
+    a, build, rec = built_kernels(argparse.ArgumentParser())
+    for name in rec:
         cubin = build / rec[name]["cubin"]
         res = subprocess.run([a.cuobjdump, "-res-usage", str(cubin)], check=True, capture_output=True,
                              text=True).stdout
