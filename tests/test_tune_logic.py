@@ -307,3 +307,27 @@ def test_only_selects_problems_by_regex() -> None:
     assert keys and all("n3584" in k or "k1536" in k for k in keys)
     assert {p.key for p in probs if "n3584" in p.key or "k1536" in p.key} == set(keys)
     assert [p.key for p in selected(probs, "nvfp4/store/n5120/k1536")] == ["sm90/nvfp4/store/n5120/k1536"]
+
+
+def test_verify_pairs_wgmma_plans_with_their_mma_sync_twins() -> None:
+    """`dflashgen verify` compares a wgmma K plan's rows with the mma.sync plan of the same K order
+    (same groups, workers, split): only plans that differ in the wgmma flag alone pair up."""
+    import json as _json
+
+    from dflashgen.render import load_manifest
+    from dflashgen.verify import plan_twins
+
+    def plan(**kw: int) -> str:
+        return _json.dumps(kw, sort_keys=True)
+
+    plans = [plan(k_group=32, split_k=1, warps_k=2), plan(k_group=32, split_k=2, warps_k=1),
+             plan(k_group=32, split_k=1, warps_k=2, wgmma=1), plan(k_group=32, split_k=4, warps_k=2, wgmma=1)]
+    assert plan_twins(plans) == [(plans[0], plans[2])]
+    assert plan_twins(plans[:2]) == [] and plan_twins(plans[2:]) == []
+    # the committed sm_90 library has such twins (e.g. FP8 gate_up: sk1 wk2 kg32 with and without wgmma)
+    by_problem: dict[tuple, set[str]] = {}
+    for e in load_manifest()["kernels"]:
+        if e.get("family", "gemm") == "gemm" and e["arch"] == 90:
+            key = (e["format"], e["epilogue"], e["n"], e["k"])
+            by_problem.setdefault(key, set()).add(_json.dumps(e["kplan"], sort_keys=True))
+    assert any(plan_twins(sorted(p)) for p in by_problem.values())
