@@ -80,6 +80,25 @@ def _graph_check(kern: Any, x_static: torch.Tensor, w: PackedWeight, new_x: torc
     return torch.equal(out, eager)
 
 
+def plan_twins(plans: list[str]) -> list[tuple[str, str]]:
+    """Pairs (mma.sync plan, wgmma plan) of K plans (JSON, as in verify_problem) that differ only in the
+    ``wgmma`` flag: the same K groups, workers and split order, so if wgmma rounds like mma.sync their
+    rows are bitwise equal and a table could serve one problem's M buckets from both (it does not
+    yet: a plan of its own, see tune.choose)."""
+    def strip(p: str) -> str:
+        d = json.loads(p)
+        d.pop("wgmma", None)
+        return json.dumps(d, sort_keys=True)
+
+    base = {strip(p): p for p in plans if not json.loads(p).get("wgmma")}
+    return [(base[strip(p)], p) for p in plans if json.loads(p).get("wgmma") and strip(p) in base]
+
+
+# Per problem with plan twins: (problem, rows, rows that differ bitwise) -- what `dflashgen verify` reports
+# about wgmma vs mma.sync rounding (collected by verify_problem, printed by main).
+TWIN_RESULTS: list[tuple[str, int, int]] = []
+
+
 def verify_problem(entries: list[dict[str, Any]], images: dict[str, tuple[Path, str]], ms: tuple[int, ...],
                    device: torch.device, seed: int = 0) -> list[KernelReport]:
     from dflashgen.runtime import GemmKernel
@@ -132,6 +151,9 @@ def verify_problem(entries: list[dict[str, Any]], images: dict[str, tuple[Path, 
             if not _graph_check(kern, x[:m].clone(), packed, new_x):
                 rep.failures.append(f"M={m}: CUDA graph replay differs from eager")
         reports.append(rep)
+    for a, b in plan_twins(list(anchors)):
+        diff = int((anchors[a] != anchors[b]).any(dim=1).sum())
+        TWIN_RESULTS.append((group_key(e0), anchors[a].shape[0], diff))
     return reports
 
 
@@ -173,6 +195,7 @@ def run(archs: list[int] | None = None, only: str | None = None, ms: tuple[int, 
     from dflashgen.runtime import native_arch
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true FP32
+    TWIN_RESULTS.clear()
     device = torch.device("cuda", torch.cuda.current_device())
     native = native_arch(device)
     archs = archs or [native]
@@ -205,6 +228,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{key:<18} {len(rs):>6} {sum(r.ok for r in rs):>7} {max(r.worst_rel_l2 for r in rs):>13.2e}")
     for r in bad[:20]:
         print(f"FAIL {r.name}: " + "; ".join(r.failures[:4]))
+    if TWIN_RESULTS:
+        same = sum(d == 0 for _, _, d in TWIN_RESULTS)
+        print(f"wgmma vs mma.sync K plans with the same K order: {same} of {len(TWIN_RESULTS)} problems bitwise "
+              "equal row by row" + "".join(f"; {p}: {d} of {r} rows differ" for p, r, d in TWIN_RESULTS if d)[:600])
     print(f"{len(reports) - len(bad)} passed, {len(bad)} failed  (M in {list(ms)}; {time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in reports], indent=1))

@@ -307,3 +307,63 @@ def test_only_selects_problems_by_regex() -> None:
     assert keys and all("n3584" in k or "k1536" in k for k in keys)
     assert {p.key for p in probs if "n3584" in p.key or "k1536" in p.key} == set(keys)
     assert [p.key for p in selected(probs, "nvfp4/store/n5120/k1536")] == ["sm90/nvfp4/store/n5120/k1536"]
+
+
+def test_verify_pairs_wgmma_plans_with_their_mma_sync_twins() -> None:
+    """`dflashgen verify` compares a wgmma K plan's rows with the mma.sync plan of the same K order
+    (same groups, workers, split): only plans that differ in the wgmma flag alone pair up."""
+    import json as _json
+
+    from dflashgen.render import load_manifest
+    from dflashgen.verify import plan_twins
+
+    def plan(**kw: int) -> str:
+        return _json.dumps(kw, sort_keys=True)
+
+    plans = [plan(k_group=32, split_k=1, warps_k=2), plan(k_group=32, split_k=2, warps_k=1),
+             plan(k_group=32, split_k=1, warps_k=2, wgmma=1), plan(k_group=32, split_k=4, warps_k=2, wgmma=1)]
+    assert plan_twins(plans) == [(plans[0], plans[2])]
+    assert plan_twins(plans[:2]) == [] and plan_twins(plans[2:]) == []
+    # the committed sm_90 library has such twins (e.g. FP8 gate_up: sk1 wk2 kg32 with and without wgmma)
+    by_problem: dict[tuple, set[str]] = {}
+    for e in load_manifest()["kernels"]:
+        if e.get("family", "gemm") == "gemm" and e["arch"] == 90:
+            key = (e["format"], e["epilogue"], e["n"], e["k"])
+            by_problem.setdefault(key, set()).add(_json.dumps(e["kplan"], sort_keys=True))
+    assert any(plan_twins(sorted(p)) for p in by_problem.values())
+
+
+def test_verify_problem_reports_plan_twins_on_the_cpu(monkeypatch) -> None:
+    """verify_problem's bookkeeping with stand-in kernels (the FP32 reference rounded to FP16: every
+    plan gives the same bits): the (mma.sync, wgmma) twin is recorded with 0 differing rows."""
+    import dflashgen.runtime as rt
+    import torch
+
+    from dflashgen import verify
+    from dflashgen.render import load_manifest
+    from dflashgen.weights import reference_gemm, reference_silu_mul
+
+    class FakeKernel:
+        def __init__(self, entry, image, max_m, device) -> None:
+            self.entry, self.name, self.arch, self.n_out = entry, entry["name"], entry["arch"], entry["n_out"]
+
+        def __call__(self, x, w, out=None):  # w: the quantized weight itself (prepack stubbed below)
+            y = reference_gemm(x, w)
+            y = (reference_silu_mul(y) if self.entry["epilogue"] == "silu" else y).half()
+            return y if out is None else out.copy_(y)
+
+    monkeypatch.setattr(rt, "GemmKernel", FakeKernel)
+    monkeypatch.setattr(verify, "prepack", lambda w, layout: w)
+    monkeypatch.setattr(verify, "_graph_check", lambda *a: True)
+    monkeypatch.setattr(verify, "TWIN_RESULTS", [])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    entries = [e for e in load_manifest()["kernels"] if e.get("family", "gemm") == "gemm" and e["arch"] == 90
+               and e["format"] == "fp8_channel" and e["epilogue"] == "silu" and e["n"] == 34816
+               and e["kplan"]["split_k"] == 1 and e["kplan"]["warps_k"] == 2 and e["tile"]["rows"] in (8, 64)]
+    assert {bool(e["kplan"].get("wgmma")) for e in entries} == {False, True}
+    # a small problem: the bookkeeping is under test, not the kernels
+    entries = [{**e, "n": 64, "n_out": 32, "n_pad": 64, "k": 256} for e in entries]
+    images = {e["name"]: (None, "cubin") for e in entries}
+    reports = verify.verify_problem(entries, images, (1, 8, 16), torch.device("cpu"))
+    assert reports and all(r.ok for r in reports), [r.failures for r in reports]
+    assert [(verify.group_key(entries[0]), 16, 0)] == verify.TWIN_RESULTS
