@@ -7,7 +7,10 @@ parameter: ``dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds2_sp512_le20
 split rule: 64-token splits up to 2048 tokens, 128 up to 8192, else 512; see runtime/split_rule.py).
 ``wg: 1`` schedules (sm_90 only, built for sm_90a) run the warpgroup-MMA kernel
 (templates/include/dflashgen/verify_attention_wgmma.cuh): one warpgroup per CTA over the group's
-query rows padded to 64; their names carry ``_wg1`` before the split rule.
+query rows padded to 64; their names carry ``_wg1`` before the split rule. ``tma: 1`` (with ``wg: 1``,
+FP16 KV, 16-token pages) brings K/V in by TMA from one producer warp (``_wg1_tma1``; same arithmetic, so
+the same bits as the cp.async twin); the manifest entry says ``tma: 1`` and the runtime passes the K / V
+pools' tensor maps after the other parameters.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class AttnSpec:
     ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
     short: tuple[tuple[int, int], ...] = ()  # split rule tiers (max length, split) below `split`
     wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg 1 / 2 warpgroups; hs = ds = 1
+    # 1 (wg only, FP16 KV): K/V by TMA (cp.async.bulk.tensor, 128-byte swizzle) from one extra producer warp,
+    # full / empty mbarriers per stage; the runtime passes a tensor map of each pool (kernel parameters)
+    tma: int = 0
     default: bool = True  # the schedule the runtime serves (else a benchmark candidate)
     serves: tuple[str, ...] = ()
     # a served wg kernel: the mma.sync kernel next in default_for's list, served instead when
@@ -61,7 +67,7 @@ class AttnSpec:
     def name(self) -> str:
         return (f"dfg_attn_sm{self.arch}_h{self.hq}kv{self.hkv}_d{self.d}_q{self.qrows}_{self.kv}_p{self.page}"
                 f"_t{self.tile}_st{self.stages}_g{self.kvg}_hs{self.hs}_ds{self.ds}{'_wg1' if self.wg else ''}"
-                f"_{self.rule.tag}")
+                f"{'_tma1' if self.tma else ''}_{self.rule.tag}")
 
     @property
     def target(self) -> str:
@@ -85,7 +91,7 @@ class AttnSpec:
     @property
     def threads(self) -> int:
         if self.wg:
-            return 128 * self.kvg  # one warpgroup per token group
+            return 128 * self.kvg + 32 * self.tma  # one warpgroup per token group (+ the TMA producer warp)
         return 32 * (self.cta_rows // 16) * self.kvg * self.ds
 
     @property
@@ -103,7 +109,8 @@ class AttnSpec:
             kvb, ncvt = (2, 0) if self.kv == "fp16" else (1, 1 if self.stages == 2 else 2)
             tt = self.tile * self.kvg
             return (1024 + WG_ROWS * self.d * 2 + self.stages * 2 * tt * self.d * kvb
-                    + ncvt * 2 * tt * self.d * 2 + pages_bytes)
+                    + ncvt * 2 * tt * self.d * 2 + pages_bytes
+                    + 16 * self.stages * self.tma)  # TMA: full / empty mbarriers per stage
         kv_bytes, tt = (2 if self.kv == "fp16" else 1), self.tile * self.kvg
         teams = self.threads // 32 // self.ds  # S / P / alpha buffers per team of ds warps
         pages = (self.split + self.page - 1) // self.page + 1  # the split's page ids
@@ -130,6 +137,8 @@ class AttnSpec:
             m["target"] = self.target  # build.py: compute_90a / sm_90a
         else:
             del m["wg"]  # the mma.sync entries keep their pre-wgmma form
+        if not self.tma:
+            del m["tma"]  # tma: 1 entries take two tensor-map parameters (runtime/attention_kernel.py)
         if not self.fallback:
             del m["fallback"]
         return m
@@ -181,6 +190,11 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
                                     f"(a multiple of 8), not {spec.rows}")
         if spec.tile not in WG_TILES or spec.stages < 2:
             raise AttnScheduleError(f"{spec.name}: the wgmma kernel's tile is one of {WG_TILES}, with >= 2 stages")
+    if spec.tma not in (0, 1):
+        raise AttnScheduleError(f"{spec.name}: tma is 0 (cp.async) or 1 (TMA producer warp)")
+    if spec.tma and (not spec.wg or spec.kv != "fp16" or spec.page != 16):
+        raise AttnScheduleError(f"{spec.name}: tma: 1 is a variant of the wgmma kernel (wg: 1) for FP16 KV and "
+                                "16-token pages")
     if spec.ds not in (1, 2, 4) or spec.tile % (16 * spec.ds) or (spec.ds > 1 and spec.threads // 32 // spec.ds > 15):
         raise AttnScheduleError(f"{spec.name}: the D split needs tile % (16 x ds) == 0 and <= 15 warp teams")
     sizes = [rule.split, *(sp for _, sp in rule.tiers)]
@@ -192,7 +206,8 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
             + (0 if spec.kv == "fp16" else 4 * tt * spec.d))
     if ((spec.kvg - 1) * spec.cta_rows // 16 * 128 * 32 + spec.kvg * spec.cta_rows * 2) * 4 > idle:
         raise AttnScheduleError(f"{spec.name}: the token groups' combine buffer exceeds the Q and stage buffers")
-    ring = spec.smem - 1024 - WG_ROWS * spec.d * 2 - ((spec.split + spec.page - 1) // spec.page + 1) * 4
+    ring = (spec.smem - 1024 - WG_ROWS * spec.d * 2 - ((spec.split + spec.page - 1) // spec.page + 1) * 4
+            - 16 * spec.stages * spec.tma)
     if spec.wg and spec.kvg > 1 and ring < 128 * 128 * 4 + WG_ROWS * 2 * 4:
         raise AttnScheduleError(f"{spec.name}: the warpgroups' combine buffer exceeds the ring")
     if spec.smem > smem_limit:
@@ -250,7 +265,7 @@ def specs() -> list[AttnSpec]:
                                        split=int(var.get("split", {}).get(base.hkv, base.split)),
                                        kvg=int(var.get("kvg", 1)), hs=int(var.get("hs", 1)), ds=int(var.get("ds", 1)),
                                        short=_tiers(var.get("short"), base.hkv), wg=int(var.get("wg", 0)),
-                                       default=default)
+                                       tma=int(var.get("tma", 0)), default=default)
                         check(spec, int(sch["archs"][base.arch]["smem_limit"]))
                         return spec
 
@@ -277,7 +292,7 @@ def render(spec: AttnSpec) -> str:
         mma_name, mma_struct = WG_MMA, MMA["m16n8k16"][0]
     return _env().get_template("verify_attention.cu.j2").render(
         version=__version__, name=spec.name, serves=list(spec.serves) or ["(ad hoc)"], arch=spec.target,
-        mma=mma_name, mma_struct=mma_struct, wg=spec.wg,
+        mma=mma_name, mma_struct=mma_struct, wg=spec.wg, tma=spec.tma,
         header="verify_attention_wgmma.cuh" if spec.wg else "verify_attention.cuh",
         attn_struct="VerifyAttentionWg" if spec.wg else "VerifyAttention",
         hq=spec.hq, hkv=spec.hkv, group=spec.hq // spec.hkv, d=spec.d, qrows=spec.qrows,

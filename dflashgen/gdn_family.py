@@ -6,7 +6,10 @@ positions: outputs, delta-rule values u and decays for rollback, optionally comm
 n[b] positions) and ``<name>_advance`` (the state after n[b] positions from those terms, every GDN
 layer in one launch). Rendered from ``templates/gdn.cu.j2``; the logic lives in
 ``templates/include/dflashgen/gdn.cuh``; ``runtime/gdn_kernel.py`` launches them and holds the torch
-reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w2_mb8``.
+reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w2_mb16_dyn`` (``mb16``: at
+least 16 CTAs per SM, i.e. at most 64 registers; ``dyn``: dynamic shared memory sized for the launch's
+T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and q / k / u staged
+as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
 
 Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2``
 (``dfg_sm90_gdnpf_dk128_s16_r16_c4_w2_mb8``, manifest ``mode: "prefill"``): the same position body
@@ -34,12 +37,27 @@ THREADS = 32 * WARPS
 # __launch_bounds__ min blocks: without it ptxas aims at full occupancy for 64-thread CTAs (32
 # registers) and spills; 8 CTAs per SM allow 128 registers (the dk = 128 step needs ~80).
 MIN_BLOCKS = 8
+# the step / advance pair: 16 CTAs per SM caps ptxas at 64 registers (state 32 + the position's
+# temporaries fit without spills once q / k staging holds no registers): 16 CTAs of 2 warps resident
+# instead of 12 (shared memory at T = 16) / 14 (72 registers)
+STEP_MIN_BLOCKS = 16
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
 
 
+def step_smem_per_t(dk: int) -> int:
+    """Bytes of dynamic shared memory per position of a step launch (gdn.cuh step_smem_floats_per_t:
+    q and k rows, the CTA's values, beta and decay)."""
+    return 4 * (2 * dk + COLS + 2)
+
+
+def advance_smem_per_t(dk: int) -> int:
+    """Bytes per position of an advance launch (gdn.cuh advance_smem_floats_per_t: k, u, decay)."""
+    return 4 * (dk + COLS + 1)
+
+
 def kernel_name(arch: int, dk: int) -> str:
-    return f"dfg_sm{arch}_gdn_dk{dk}_t{MAX_T}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{MIN_BLOCKS}"
+    return f"dfg_sm{arch}_gdn_dk{dk}_t{MAX_T}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{STEP_MIN_BLOCKS}_dyn"
 
 
 def prefill_kernel_name(arch: int, dk: int) -> str:
@@ -55,7 +73,8 @@ def key_dims() -> tuple[int, ...]:
 def render(arch: int, dk: int) -> str:
     return _env().get_template("gdn.cu.j2").render(
         version=__version__, name=kernel_name(arch, dk), arch=arch, dk=dk, maxt=MAX_T, warps=WARPS,
-        threads=THREADS, cols=COLS, min_blocks=MIN_BLOCKS)
+        threads=THREADS, cols=COLS, min_blocks=STEP_MIN_BLOCKS, step_smem_per_t=step_smem_per_t(dk),
+        advance_smem_per_t=advance_smem_per_t(dk))
 
 
 def render_prefill(arch: int, dk: int) -> str:
@@ -66,7 +85,8 @@ def render_prefill(arch: int, dk: int) -> str:
 
 def family_kernels() -> list[FamilyKernel]:
     steps = [FamilyKernel(kernel_name(arch, dk), arch, render(arch, dk),
-                          {"dk": dk, "max_t": MAX_T, "threads": THREADS, "cols": COLS, "mode": "step"})
+                          {"dk": dk, "max_t": MAX_T, "threads": THREADS, "cols": COLS, "mode": "step",
+                           "smem_per_t": step_smem_per_t(dk), "advance_smem_per_t": advance_smem_per_t(dk)})
              for arch in ARCHS for dk in key_dims()]
     prefills = [FamilyKernel(prefill_kernel_name(arch, dk), arch, render_prefill(arch, dk),
                              {"dk": dk, "chunk": PREFILL_CHUNK, "threads": THREADS, "cols": COLS, "mode": "prefill"})

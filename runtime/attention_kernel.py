@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .driver import current_stream
+from . import driver as _driver
+from .driver import TensorMapArg, current_stream
 from .split_rule import SplitRule
 
 log = logging.getLogger("dflashgen")
@@ -39,6 +40,7 @@ __all__ = [
     "entry_rule",
     "kernel_arch",
     "paged_verify_attention",
+    "pool_tensor_map",
     "select_kernel",
     "validate_contents",
 ]
@@ -140,6 +142,37 @@ def device_errors(device: torch.device | int = 0, clear: bool = True) -> list[st
     if clear:
         _ERR[idx].zero_()
     return [msg for bit, msg in _ERR_BITS.items() if bits & bit]
+
+
+# tma: 1 kernels read K / V through a tensor map of each pool: 4-d (D, Hkv, page, num_blocks), innermost
+# first, byte strides from the pool's; a box is one 64-column (128-byte, SWIZZLE_128B) atom of one KV
+# head's page of tokens, which lands as one swizzled block of the wgmma tile (verify_attention_wgmma.cuh).
+TMA_BOX_COLS = 64
+_TMAPS: dict[tuple, TensorMapArg] = {}
+_TMAPS_MAX = 64  # distinct pools (views) kept; the oldest is dropped past this
+
+
+def pool_tensor_map(pool: torch.Tensor) -> TensorMapArg:
+    """The TMA tensor map of a ``[num_blocks, page, Hkv, D]`` FP16 pool (a view of an interleaved pool
+    too: its block stride), cached per (address, shape, strides, dtype, device). Rebuilt only for a new
+    pool, so eager launches pay a dictionary lookup; a CUDA graph keeps the map it captured (the pool
+    tensors of a graph stay put)."""
+    key = (pool.data_ptr(), tuple(pool.shape), tuple(pool.stride()), pool.dtype, pool.device)
+    tm = _TMAPS.get(key)
+    if tm is None:
+        if pool.dtype != torch.float16:
+            _fail(f"the TMA attention kernels read FP16 KV pools, not {pool.dtype}")
+        num_blocks, page, hkv, d = pool.shape
+        es = pool.element_size()
+        if d % TMA_BOX_COLS or page > 256:
+            _fail(f"TMA attention: head_dim {d} must be a multiple of {TMA_BOX_COLS} and page {page} <= 256")
+        tm = _driver.encode_tensor_map(pool.data_ptr(), (d, hkv, page, num_blocks),
+                                       (pool.stride(2) * es, pool.stride(1) * es, pool.stride(0) * es),
+                                       (TMA_BOX_COLS, 1, page, 1), "float16", "128B")
+        if len(_TMAPS) >= _TMAPS_MAX:
+            _TMAPS.pop(next(iter(_TMAPS)))
+        _TMAPS[key] = tm
+    return tm
 
 
 def _require_cuda(q: torch.Tensor) -> None:
@@ -273,6 +306,8 @@ def paged_verify_attention(
     fn = _launcher(entry, idx)
     err = _err_flag(idx)
     vp = ctypes.c_void_p
+    # tma: 1 kernels take the K and V pools' tensor maps after the other parameters
+    maps = [pool_tensor_map(k_pool), pool_tensor_map(v_pool)] if entry.get("tma") else []
     # Grid (row parts x KV heads, requests, splits): the split index varies slowest, so the CTAs that
     # work (every request's low splits) are dispatched before those past a request's split count, which
     # exit (the grid is sized for the table's capacity), and spread over the SMs (bench/NOTES.md, session 5).
@@ -282,7 +317,7 @@ def paged_verify_attention(
          ctypes.c_longlong(k_pool.stride(0)), ctypes.c_int(num_blocks), vp(block_tables.data_ptr()),
          ctypes.c_int(block_tables.stride(0)), vp(lengths.data_ptr()),
          ctypes.c_float(sm_scale * _LOG2E * float(k_scale) * fp8_unit), vp(part_o.data_ptr()),
-         vp(part_ml.data_ptr()), ctypes.c_int(max_splits), vp(err.data_ptr())],
+         vp(part_ml.data_ptr()), ctypes.c_int(max_splits), vp(err.data_ptr()), *maps],
         stream, shared=int(entry["smem"]))
     fn.merge.launch(
         (rows, hkv, nb), (d // 4, 1, 1),

@@ -125,6 +125,70 @@ def _untyped_launch() -> Any:
     return fn
 
 
+@lru_cache(maxsize=1)
+def _untyped_launch_ex() -> Any:
+    """cuLaunchKernelEx through ctypes without argtypes (see ``_untyped_launch``), or None."""
+    try:
+        fn = ctypes.PyDLL("libcuda.so.1")["cuLaunchKernelEx"]
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (an int flag here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class TensorMapArg(ctypes.Structure):
+    """A ``const __grid_constant__ CUtensorMap`` kernel parameter: the 128 opaque bytes of a tensor map
+    (CUtensorMap is 64-byte aligned in CUDA; the kernel's parameter is laid out by the compiler and
+    cuLaunchKernel copies the bytes from the address it is given, so host alignment is not required:
+    ``_align_`` only takes effect on Python >= 3.13). Usable as an ``ArgPack`` type."""
+
+    _align_ = 64
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+    def load(self, src: TensorMapArg | int) -> TensorMapArg:
+        """Copy the 128 bytes of ``src`` (another TensorMapArg, or an address) into this one."""
+        ctypes.memmove(ctypes.addressof(self), ctypes.addressof(src) if isinstance(src, TensorMapArg) else src, 128)
+        return self
+
+
+assert ctypes.sizeof(TensorMapArg) == 128
+
+
+def encode_tensor_map(address: int, dims: Sequence[int], strides: Sequence[int], box: Sequence[int],
+                      dtype: str = "float16", swizzle: str = "128B") -> TensorMapArg:
+    """cuTensorMapEncodeTiled over a tensor at ``address`` -> its 128 bytes as a ``TensorMapArg``.
+    ``dims`` / ``box``: elements per dimension, innermost (contiguous) first; ``strides``: bytes of
+    dimensions 1 .. rank - 1. Interleave none, no L2 promotion beyond 256 B, out-of-bounds boxes
+    zero-filled (OOB_FILL_NONE), element strides 1."""
+    d = cu()
+    rank = len(dims)
+    if not (len(box) == rank and len(strides) == rank - 1):
+        raise ValueError(f"tensor map: {rank} dims need {rank} box sizes and {rank - 1} strides")
+    tmap = check(d.cuTensorMapEncodeTiled(
+        getattr(d.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype.upper()}"), rank, address,
+        [d.cuuint64_t(int(x)) for x in dims], [d.cuuint64_t(int(x)) for x in strides],
+        [d.cuuint32_t(int(x)) for x in box], [d.cuuint32_t(1)] * rank,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(d.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return TensorMapArg().load(int(tmap.getPtr()))
+
+
 class ArgPack:
     """Persistent storage for one kernel's parameters (ctypes types in parameter order) and the
     array of their addresses that cuLaunchKernel reads. Fill ``values`` and launch under ``lock``."""
@@ -139,19 +203,41 @@ class ArgPack:
 class LaunchArgs:
     """Every cuLaunchKernel argument of one kernel launch as persistent ctypes storage: the function,
     grid, block, shared bytes, stream and the address of an ``ArgPack``. Update the ``grid`` and
-    ``stream`` values in place and call ``launch`` (caller holds the pack's lock)."""
+    ``stream`` values in place and call ``launch`` (caller holds the pack's lock).
+
+    ``pdl``: launch through cuLaunchKernelEx with programmatic stream serialization (sm_90), so the
+    kernel may start while the previous one in the stream finishes; only for kernels that execute
+    ``griddepcontrol.wait`` before touching anything an earlier kernel writes or reads (the sm_90
+    GEMMs: skinny_gemm.cuh ``pdl_wait``). The grid and stream values are then views into the
+    launch config, so callers update them the same way."""
 
     def __init__(self, fn: Function, grid: Sequence[int], block: Sequence[int], pack: ArgPack,
-                 shared: int = 0) -> None:
+                 shared: int = 0, pdl: bool = False) -> None:
         self.fn = fn
         self.pack = pack
+        self._block = tuple(block)
+        self._shared = shared
+        self._raw = _untyped_launch()
+        ex = _untyped_launch_ex() if pdl and self._raw is not None else None
+        self.pdl = ex is not None
+        if ex is not None:
+            self._attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self._attr.value[0] = 1
+            cfg = self._cfg = _LaunchConfig()
+            cfg.block[:] = list(block)
+            cfg.shared, cfg.attrs, cfg.num_attrs = shared, ctypes.pointer(self._attr), 1
+            off = _LaunchConfig.grid.offset
+            self.grid = [ctypes.c_uint.from_buffer(cfg, off + 4 * i) for i in range(3)]
+            for g, v in zip(self.grid, grid, strict=True):
+                g.value = v
+            self.stream = ctypes.c_void_p.from_buffer(cfg, _LaunchConfig.stream.offset)
+            self._raw = ex
+            self._args = (ctypes.byref(cfg), ctypes.c_void_p(fn._raw_handle), ctypes.c_void_p(pack.address), None)
+            return
         self.grid = [ctypes.c_uint(g) for g in grid]
         self.stream = ctypes.c_void_p(0)
         self._args = (ctypes.c_void_p(fn._raw_handle), *self.grid, *[ctypes.c_uint(b) for b in block],
                       ctypes.c_uint(shared), self.stream, ctypes.c_void_p(pack.address), None)
-        self._block = tuple(block)
-        self._shared = shared
-        self._raw = _untyped_launch()
 
     def launch(self) -> None:
         raw = self._raw

@@ -22,8 +22,11 @@ Shapes (FP32): state ``[B, Hv, dk, dv]``; q, k ``[B, T, Hk, dk]`` contiguous; v 
 (any batch / position strides, channels at one stride); beta, log_decay ``[B, T, Hv]``; o, u
 ``[B, T, Hv, dv]``; decay ``[B, T, Hv]``. ``gdn_advance`` takes an optional leading layer dim on the
 state and the terms (per-layer blocks contiguous, layer strides free: stacked decode-state buffers
-narrowed to a batch). T <= 16 (gdn_prefill: any T), dv % 4 == 0, dk a generated key dim. No host
-sync: graph capturable.
+narrowed to a batch). T <= 16 (gdn_prefill: any T), dv % 4 == 0, dk a generated key dim. On CUDA the
+kernels move q, k, o, u, k_out (and the advance's k / u) as float4: those must start at 16-byte aligned
+addresses (checked; fresh torch allocations and whole-tensor views of them are). v may be any view: the
+step copies it as float4 when its channels are contiguous and aligned, element by element otherwise.
+No host sync: graph capturable.
 """
 
 from __future__ import annotations
@@ -164,6 +167,13 @@ def _aligned(*states: Tensor | None) -> None:
             _fail("the recurrent state must start at a 16-byte aligned address (every layer's block too)")
 
 
+def _aligned16(what: str, **tensors: Tensor | None) -> None:
+    """The CUDA kernels copy these as float4 (gdn.cuh stage_rows / the o, u, k_out stores)."""
+    bad = [name for name, x in tensors.items() if x is not None and x.data_ptr() % 16]
+    if bad:
+        _fail(f"{', '.join(bad)} must start at 16-byte aligned addresses ({what} moves them as float4)")
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -196,6 +206,8 @@ class _Kernels:
         mod = load_module(entry, device_index)
         self.name = entry["name"]
         self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
+        # dynamic shared memory per position (gdn.cuh step / advance_smem_floats_per_t): sized per launch
+        self.step_smem_per_t, self.adv_smem_per_t = int(entry["smem_per_t"]), int(entry["advance_smem_per_t"])
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p])
         self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
@@ -278,6 +290,7 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
             if dst is not None:
                 dst.copy_(src)
         return (o if o is not None else ro), (u if u is not None else ru), (decay if decay is not None else rd)
+    _aligned16("the step kernel", q=q, k=k, o=o, u=u, k_out=k_out)
     o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
     u = torch.empty_like(o) if u is None else u
     decay = torch.empty((b, t, hv), dtype=torch.float32, device=dev) if decay is None else decay
@@ -289,7 +302,8 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
                 decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n))
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.step.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx))
+        kn.step.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx),
+                            t * kn.step_smem_per_t)
     return o, u, decay
 
 
@@ -319,6 +333,8 @@ def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, ar
     if dev.type != "cuda":
         reference_advance(s, k, u, decay, n)
         return
+    second = layered and nl > 1  # every layer's block: the layer strides keep the alignment
+    _aligned16("the advance kernel", k=k, u=u, k_layer_1=k[1] if second else None, u_layer_1=u[1] if second else None)
     kn, idx = _kernels(dev, dk, arch)
 
     def lstride(x: Tensor) -> int:
@@ -330,7 +346,8 @@ def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, ar
                 lstride(decay), n.data_ptr(), b, t, hk, hv, dv)
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.advance.launch_pack((-(-dv // COLS), hv, nl * b), (THREADS, 1, 1), a, current_stream(idx))
+        kn.advance.launch_pack((-(-dv // COLS), hv, nl * b), (THREADS, 1, 1), a, current_stream(idx),
+                               t * kn.adv_smem_per_t)
 
 
 def gdn_prefill(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,

@@ -8,6 +8,7 @@ on torch's current stream, so it is safe under CUDA graph capture.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -44,6 +45,10 @@ class GemmKernel:
         self.threads: int = entry["threads"]
         # bytes of dynamic shared memory per CTA (x_smem rings above 48 KB), 0: static only
         self.dynamic_smem: int = entry["smem_bytes"] if entry.get("smem_dynamic") else 0
+        # programmatic dependent launch: sm_90 GEMMs wait (griddepcontrol.wait) before touching
+        # anything but their weights, so each may start while the previous kernel finishes and
+        # prefetch its weight stream under that kernel's tail; DFLASHGEN_PDL=0 launches plainly
+        self.pdl: bool = self.arch >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
         self.max_m = max_m
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
@@ -255,7 +260,7 @@ class GemmLaunch:
         # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets]
         params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5)]
         self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
-                                shared=kern.dynamic_smem)
+                                shared=kern.dynamic_smem, pdl=kern.pdl)
 
     def bind(self, w: PackedWeight, m: int) -> None:
         """Point the launch at a validated weight and M rows (caller holds ``lock``)."""

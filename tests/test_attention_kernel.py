@@ -34,7 +34,8 @@ def test_family_covers_every_target_once() -> None:
             defaults[s.key()] = s
         for part in (f"sm{s.arch}", f"h{s.hq}kv{s.hkv}", f"d{s.d}", f"q{s.qrows}", s.kv, f"p{s.page}",
                      f"t{s.tile}", f"st{s.stages}", f"g{s.kvg}", f"hs{s.hs}", f"ds{s.ds}",
-                     f"sp{s.split}", *(f"le{a}s{b}" for a, b in s.short), *(["wg1"] if s.wg else [])):
+                     f"sp{s.split}", *(f"le{a}s{b}" for a, b in s.short), *(["wg1"] if s.wg else []),
+                     *(["tma1"] if s.tma else [])):
             assert f"_{part}_" in s.name + "_"
         assert s.name.endswith(s.rule.tag)
     want = {(a, hq, hkv, 256, 8, kv, p) for a in (70, 80, 90) for hq, hkv in TARGET_HEADS
@@ -106,7 +107,13 @@ def test_bad_split_rules_in_the_schedule(monkeypatch, tiers, match) -> None:
                                           ({"wg": 1, "hq": 12}, "<= 64 query rows"),
                                           ({"wg": 1, "tile": 128, "split": 512}, "tile is one of"),
                                           ({"wg": 1, "stages": 1}, ">= 2 stages"),
-                                          ({"wg": 1, "tile": 64, "stages": 4}, "shared memory")])
+                                          ({"wg": 1, "tile": 64, "stages": 4}, "shared memory"),
+                                          # its TMA variant (tma: 1): wg, FP16 KV, 16-token pages only
+                                          ({"tma": 1}, "variant of the wgmma kernel"),
+                                          ({"wg": 1, "tma": 1, "kv": "e4m3"}, "FP16 KV"),
+                                          ({"wg": 1, "tma": 1, "page": 4}, "16-token pages"),
+                                          ({"wg": 1, "tma": 2}, "tma is 0"),
+                                          ({"wg": 1, "tma": 1, "tile": 64, "stages": 4}, "shared memory")])
 def test_schedule_rejects_illegal_kernels(change, match) -> None:
     base = dict(arch=90, hq=6, hkv=1, d=256, qrows=8, kv="fp16", page=16, tile=32, stages=2, split=256)
     with pytest.raises(af.AttnScheduleError, match=match):
@@ -151,7 +158,7 @@ def test_wgmma_specs_render_and_name() -> None:
     rules = af.load_schedule()["short_splits"]
     assert wgs and all(s.arch == 90 and s.page == 16
                        and s.default == (s.kv == "fp16" and [list(t) for t in s.short] == rules[s.hkv]) for s in wgs
-                       if (s.tile, s.stages, s.kvg, s.split) in ((32, 2, 1, 512), (32, 2, 1, 128)))
+                       if (s.tile, s.stages, s.kvg, s.split) in ((32, 2, 1, 512), (32, 2, 1, 128)) and not s.tma)
     assert {s.hkv for s in wgs if s.default} == {hkv for _, hkv in TARGET_HEADS}
     assert {s.kv for s in wgs} == {"fp16", "e5m2", "e4m3"}
     ring = 1024 + 64 * 256 * 2 + 4 * 2 * 32 * 256 + 144  # FP8, 4 stages: the ring as stored (1 byte)
@@ -184,6 +191,54 @@ def test_wgmma_kernel_compiles_for_sm90a(tile, stages, kv, kvg) -> None:
     assert "serializ" not in log.lower() and "C751" not in log
 
 
+def test_tma_specs_render_and_name() -> None:
+    """tma: 1 (the wg kernel with K/V by TMA from a producer warp): `_tma1` after `_wg1` in the name,
+    128 x kvg + 32 threads, 16 B of mbarriers per stage, `tma: 1` in the manifest entry (the runtime's
+    cue to pass the tensor maps), the kernel taking two __grid_constant__ maps; every tma candidate has a
+    cp.async twin (same tile, token groups, split rule: the same arithmetic) for the GPU's bitwise test."""
+    spec = _wg_spec(tma=1, stages=4, short=((2048, 64), (8192, 128)))
+    assert spec.name == "dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st4_g1_hs1_ds1_wg1_tma1_sp512_le2048s64_le8192s128"
+    assert spec.threads == 160 and spec.target == "90a"
+    assert spec.smem == _wg_spec(stages=4).smem + 4 * 16  # full / empty mbarriers per stage
+    meta = spec.meta()
+    assert meta["tma"] == 1 and meta["wg"] == 1 and meta["threads"] == 160 and meta["target"] == "90a"
+    assert "tma" not in _wg_spec().meta() and "tma" not in _wg_spec(wg=0).meta()
+    src = af.render(spec)
+    assert "VerifyAttentionWg<Cfg, true>" in src and "Attn::NTHREADS == 160" in src and "tma=1" in src
+    assert "const __grid_constant__ dflashgen::wgattn::TmaMap kmap" in src and "smem, &kmap, &vmap);" in src
+    assert "__launch_bounds__(160, 1)" in src
+    plain = af.render(_wg_spec(stages=4))
+    assert "TmaMap" not in plain and "VerifyAttentionWg<Cfg>" in plain and "Attn::THREADS == 128" in plain
+    specs = af.specs()
+    tmas = [s for s in specs if s.tma]
+    assert tmas and all(s.wg and not s.default and s.kv == "fp16" and s.page == 16 for s in tmas)
+    assert {s.hkv for s in tmas} == {hkv for _, hkv in TARGET_HEADS}
+    for t in tmas:
+        assert any(s.wg and not s.tma and (s.hq, s.hkv, s.tile, s.kvg, s.split, s.short, s.kv, s.page)
+                   == (t.hq, t.hkv, t.tile, t.kvg, t.split, t.short, t.kv, t.page) for s in specs), t.name
+    rules = af.load_schedule()["short_splits"]
+    assert all([list(x) for x in t.short] == rules[t.hkv] for t in tmas)  # the served split rule
+
+
+def test_tma_kernel_compiles_for_sm90a() -> None:
+    """A tma kernel (the overlapped loop, t32 st3) through the build: the consumers issue no cp.async,
+    the producer's 4-d tensor copies complete on mbarriers; no spills, no wgmma serialization."""
+    name = next(s.name for s in af.specs() if s.tma and s.hkv == 1 and (s.tile, s.stages) == (32, 3))
+    res = build([90], only=f"^{name}$", progress=False)
+    art = res.artifacts[name]
+    r = res.resources()[name]
+    assert 0 < r["registers"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0
+    ptx = art.ptx.read_text()
+    main = ptx[ptx.index(f".entry {name}("):]
+    main = main[: main.index(".entry", 10)] if ".entry" in main[10:] else main
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes" in main
+    assert "mbarrier.try_wait.parity" in main and "mbarrier.arrive.expect_tx" in main
+    assert "cp.async.cg" not in main and "cp.async.wait_group" not in main
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in main and ".param .align 64 .b8" in main
+    log = art.log.read_text()
+    assert "serializ" not in log.lower() and "C751" not in log
+
+
 def test_wgmma_fragment_dataflow() -> None:
     """The S accumulator (wgmma D layout: per warp the m16n8 C layout of every 8-column block) repacked
     as P's A fragments exactly as the kernel does (block n -> k-step n / 2, registers 2 (n & 1) + j)
@@ -200,7 +255,8 @@ def test_wgmma_fragment_dataflow() -> None:
 
 def test_wgmma_layout_matches_cute(tmp_path) -> None:
     """The wg kernel's swizzled tiles, k-step starts and descriptor fields == CuTe's canonical GMMA
-    layouts and make_gmma_desc (tests/wgmma_attention_layout.cpp, compiled for the host with g++)."""
+    layouts and make_gmma_desc (tests/wgmma_attention_layout.cpp, compiled for the host with g++); the
+    tma: 1 kernel's SWIZZLE_128B boxes land every chunk where the cp.async copies put it."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -610,18 +666,24 @@ class _Recorder:
         return Fn()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
-def test_launch_arguments(monkeypatch, dtype) -> None:
-    """The host side of a launch with the driver stubbed: grid, block, shared memory, strides of an
-    interleaved pool, the folded softmax / FP8 scales, and the capacity the kernels check against."""
-    import dflashgen.runtime.attention_kernel as ak
-
+def _stub_launches(monkeypatch, ak) -> _Recorder:
+    """attention_kernel's launches on the CPU: a sm_90 arch, stream 0, launches recorded by the result."""
     rec = _Recorder()
     monkeypatch.setattr(ak, "_require_cuda", lambda q: None)
     monkeypatch.setattr(ak, "kernel_arch", lambda dev, arch=None: 90)
     monkeypatch.setattr(ak, "_stream", lambda dev: (0, 0))
     monkeypatch.setattr(ak, "_launcher", lambda entry, idx: rec)
     monkeypatch.setattr(ak, "_err_flag", lambda idx: torch.zeros(1, dtype=torch.int32))
+    return rec
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_launch_arguments(monkeypatch, dtype) -> None:
+    """The host side of a launch with the driver stubbed: grid, block, shared memory, strides of an
+    interleaved pool, the folded softmax / FP8 scales, and the capacity the kernels check against."""
+    import dflashgen.runtime.attention_kernel as ak
+
+    rec = _stub_launches(monkeypatch, ak)
     kv = torch.zeros(10, 2, 16, 1, 256, dtype=dtype)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32)
     out = ak.paged_verify_attention(torch.zeros(2, 8, 6, 256), kv[:, 0], kv[:, 1], tables,
@@ -638,6 +700,92 @@ def test_launch_arguments(monkeypatch, dtype) -> None:
     unit = 256 if dtype != torch.float16 else 1  # E4M3 decodes to value * 2^-8
     assert a[9] == pytest.approx(0.5 * unit / 16 * 1.4426950408889634) and a[12] == splits
     assert m[4] == 64 and m[5] == splits and m[6] == pytest.approx(0.25 * unit)
+
+
+class _FakeTmaDriver:
+    """cuda.bindings.driver with cuTensorMapEncodeTiled recorded: each map's 128 bytes are 16 words
+    of its call number (so a copy can be told from another), the real enums otherwise."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver
+
+        self._real = driver
+        self.calls: list[tuple] = []
+        self._maps: list = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def cuTensorMapEncodeTiled(self, *args):  # noqa: N802 (the driver's name)
+        import ctypes
+
+        self.calls.append(args)
+        buf = (ctypes.c_uint64 * 16)(*([len(self.calls)] * 16))
+        self._maps.append(buf)
+
+        class Map:
+            def getPtr(self) -> int:  # noqa: N802
+                return ctypes.addressof(buf)
+
+        return (self._real.CUresult.CUDA_SUCCESS, Map())
+
+
+def test_tma_launch_passes_the_pools_tensor_maps(monkeypatch) -> None:
+    """A tma: 1 kernel gets the K and V pools' tensor maps after the other parameters (none for the
+    others): 4-d (D, Hkv, page, blocks) FP16 maps with the pools' byte strides (an interleaved pool's
+    block stride), a box of one 64-column atom x one head x one page, 128-byte swizzle, zero fill;
+    built once per pool (cached by address, shape, strides, dtype) and copied into the launch."""
+    import ctypes
+
+    import dflashgen.runtime.attention_kernel as ak
+    import dflashgen.runtime.driver as drv
+
+    fake = _FakeTmaDriver()
+    monkeypatch.setattr(drv, "cu", lambda: fake)
+    monkeypatch.setattr(ak, "_TMAPS", {})
+    rec = _stub_launches(monkeypatch, ak)
+    kv = torch.zeros(10, 2, 16, 1, 256, dtype=torch.float16)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]], dtype=torch.int32)
+    name = next(s.name for s in af.specs() if s.tma and s.hkv == 1 and s.stages == 3)
+
+    def launch(kernel):
+        rec.calls.clear()
+        ak.paged_verify_attention(torch.zeros(2, 8, 6, 256), kv[:, 0], kv[:, 1], tables,
+                                  torch.tensor([64, 20], dtype=torch.int32), kernel=kernel)
+        return rec.calls[0]
+
+    _, _, block, args, smem = launch(name)
+    e = select_kernel(90, 6, 1, 256, "fp16", 16, name)
+    assert e["tma"] == 1 and block == (160, 1, 1) and smem == e["smem"] and len(args) == 16
+    kmap, vmap = args[14:]
+    assert isinstance(kmap, drv.TensorMapArg) and isinstance(vmap, drv.TensorMapArg)
+    assert list(kmap.opaque) == [1] * 16 and list(vmap.opaque) == [2] * 16  # the maps' bytes, in order
+    assert len(fake.calls) == 2
+    for call, pool in zip(fake.calls, (kv[:, 0], kv[:, 1]), strict=True):
+        dtype, rank, addr, dims, strides, box, estr, inter, swz, l2, oob = call
+        assert dtype == fake.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 and rank == 4
+        assert addr == pool.data_ptr()
+        assert [int(x) for x in dims] == [256, 1, 16, 10]  # D, Hkv, page, blocks (innermost first)
+        assert [int(x) for x in strides] == [512, 512, 2 * 16 * 256 * 2]  # bytes; the interleaved block stride
+        assert [int(x) for x in box] == [64, 1, 16, 1] and [int(x) for x in estr] == [1] * 4
+        assert swz == fake.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+        assert inter == fake.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+        assert oob == fake.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros outside
+    # cached: the same pools encode nothing new; the kernel's parameters are the cached bytes
+    args2 = launch(name)[3]
+    assert len(fake.calls) == 2 and list(args2[14].opaque) == [1] * 16
+    # the cp.async twin (same rule) takes no maps
+    twin = next(s.name for s in af.specs() if s.wg and not s.tma and s.hkv == 1 and s.short and s.kv == "fp16"
+                and s.stages == 2 and s.tile == 32 and s.kvg == 1 and s.split == e["split"]
+                and [list(t) for t in s.short] == e["short"])
+    assert len(launch(twin)[3]) == 14 and len(fake.calls) == 2
+    # a new pool (another address) gets its own maps
+    kv = torch.zeros(12, 2, 16, 1, 256, dtype=torch.float16)
+    launch(name)
+    assert len(fake.calls) == 4 and [int(x) for x in fake.calls[2][3]] == [256, 1, 16, 12]
+    assert ctypes.sizeof(drv.TensorMapArg) == 128
+    with pytest.raises(AttentionInputError, match="FP16"):
+        ak.pool_tensor_map(torch.zeros(4, 16, 1, 256, dtype=torch.float8_e4m3fn))
 
 
 def test_dense_cache_chunks_prefill_into_verify_blocks(monkeypatch) -> None:

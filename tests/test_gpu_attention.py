@@ -9,7 +9,10 @@ grid order (split index slowest, sized for the table's capacity) vs per-request 
 Tests parametrized by `kind` run the served schedule ("served") and the sm_90a warpgroup-MMA kernel
 ("wg" / "wg4" / "wg2": the wg: 1 candidates with the served split rule: t32 stages 2 (in-order loop) /
 4 (FA3's overlapped loop) / two warpgroups (kvg 2, t16 st4); page 16, FP16 (and FP8 for wg, wg4) KV;
-skipped elsewhere) through the same checks; their accuracy bound is rel. L2 <= 1e-3 with FP16 KV."""
+skipped elsewhere) through the same checks; their accuracy bound is rel. L2 <= 1e-3 with FP16 KV.
+"tma": the wg kernel's TMA variant (tma: 1, K/V by cp.async.bulk.tensor from a producer warp; the
+candidate with the most stages), FP16 KV and page 16 only; test_tma_candidates_equal_their_cp_async_twins
+checks every tma candidate bitwise against its cp.async twin (written before any GPU run)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ HEADS = [(24, 4), (6, 1)]
 DTYPES = [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 CONTEXTS = {1: [32760], 2: [1, 5000], 4: [7, 16, 1000, 16384], 8: [1, 2, 15, 64, 255, 511, 2049, 9000]}
 # wg: the in-order loop (t32 st2); wg4: FA3's overlapped loop (t32 st4); wg2: two warpgroups (t16 st4 kvg2)
-KINDS = ["served", "wg", "wg4", "wg2"]
+KINDS = ["served", "wg", "wg4", "wg2", "tma"]
 WG_REL = 1e-3  # rel. L2 bound of the wgmma kernel vs the FP32 reference
 
 
@@ -46,7 +49,8 @@ def _archs() -> list[int]:
 
 def _kernel(kind: str, arch: int, hq: int, hkv: int, dtype: torch.dtype = torch.float16, page: int = 16) -> str | None:
     """The kernel name a test runs: None (the served schedule) or the wg candidate with the served rule
-    ("wg": t32 stages 2, "wg4": t32 with the most stages, "wg2": two warpgroups (kvg 2))."""
+    ("wg": t32 stages 2, "wg4": t32 with the most stages, "wg2": two warpgroups (kvg 2), "tma": the TMA
+    variant (tma: 1) with the most stages)."""
     if kind == "served":
         return None
     if arch != 90 or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9):
@@ -58,10 +62,11 @@ def _kernel(kind: str, arch: int, hq: int, hkv: int, dtype: torch.dtype = torch.
     kv = KV_TAG[dtype]
     served = select_kernel(90, hq, hkv, 256, kv, 16)
     found = sorted((e for e in attention_entries() if e.get("wg") and (e["kvg"] == 2) == (kind == "wg2")
-                    and e["arch"] == 90 and e["hq"] == hq
+                    and bool(e.get("tma")) == (kind == "tma") and e["arch"] == 90 and e["hq"] == hq
                     and e["hkv"] == hkv and e["kv"] == kv and e["page"] == 16 and e["split"] == served["split"]
                     and e.get("short") == served.get("short")),
-                   key=lambda e: (e["tile"] != 32, e["stages"] if kind != "wg4" else -e["stages"], e["name"]))
+                   key=lambda e: (e["tile"] != 32, e["stages"] if kind not in ("wg4", "tma") else -e["stages"],
+                                  e["name"]))
     if not found and kv != "fp16":
         pytest.skip(f"no {kind} candidate for {kv} KV")
     assert found, f"no {kind} candidate with the served split rule for {hq}/{hkv} heads, {kv} KV"
@@ -431,3 +436,81 @@ def test_wide_table_ragged_batch_matches_per_request_launches(arch, hq, hkv, kin
                 assert torch.equal(got[pos], alone[b]), f"batch {idx}: request {b} (length {case.lengths_list[b]})"
     case.check(paged_verify_attention(case.q, case.k_pool, case.v_pool, wide, case.lengths, arch=arch,
                                       validate=False, kernel=k), WG_REL if k else 3e-3)
+
+
+# --- the TMA variant (tma: 1): only the copy mechanism differs from the cp.async wg kernel -------------
+
+TMA_CONTEXTS = {1: [32755], 2: [1, 5000], 4: [7, 16, 1000, 16384], 8: [1, 2, 15, 64, 255, 511, 2049, 30001]}
+
+
+def _tma_pairs(hq: int, hkv: int) -> list[tuple[str, str]]:
+    """(tma candidate, its cp.async twin): same tile, token groups and split rule (so the same
+    arithmetic), the twin with the same stages where one is built."""
+    from dflashgen.runtime.attention_kernel import attention_entries
+
+    if kernel_arch(torch.device("cuda")) != 90 or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernels run on sm_90a only")
+    es = [e for e in attention_entries() if e["arch"] == 90 and (e["hq"], e["hkv"]) == (hq, hkv) and e.get("wg")]
+    pairs = []
+    for t in (e for e in es if e.get("tma")):
+        twins = sorted((e for e in es if not e.get("tma") and (e["tile"], e["kvg"], e["split"], e.get("short"),
+                        e["kv"], e["page"]) == (t["tile"], t["kvg"], t["split"], t.get("short"), t["kv"], t["page"])),
+                       key=lambda e: (e["stages"] != t["stages"], e["name"]))
+        assert twins, f"no cp.async twin of {t['name']}"
+        pairs.append((t["name"], twins[0]["name"]))
+    assert pairs, f"no tma candidates for {hq}/{hkv} heads"
+    return pairs
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_tma_candidates_equal_their_cp_async_twins(hq, hkv, interleaved) -> None:
+    """Every tma: 1 candidate == its cp.async twin, bitwise, over B in {1, 2, 4, 8} with ragged contexts
+    up to 32K (ending mid-page, mid-tile, mid-split), nq 8 and 3, separate / interleaved pools; and
+    within the wg accuracy bound of the FP32 reference. Then a bad page id: the same error flag, the
+    same (zero-page) output as the twin, no out-of-bounds read."""
+    for tma, twin in _tma_pairs(hq, hkv):
+        for nb, ctx in TMA_CONTEXTS.items():
+            for nq in (8, 3):
+                case = Case(ctx, hq, hkv, torch.float16, 16, interleaved, nq=nq, seed=100 + nb + nq)
+                out = torch.full(case.q.shape, math.nan, device="cuda")  # every row must be written
+                case.run(out=out, kernel=tma)
+                ref = case.run(kernel=twin)
+                assert torch.equal(out, ref), f"{tma} != {twin} at B{nb} {ctx} nq {nq}"
+                if nq == 8:
+                    case.check(out, WG_REL)
+        case = Case([40, 70, 3000], hq, hkv, torch.float16, 16, interleaved, seed=7)
+        bad = case.table.clone()
+        bad[1, 2] = case.k_pool.shape[0]  # out of range: flagged, read as a zero page
+        bad[2, 100] = -5
+        device_errors()
+        got = paged_verify_attention(case.q, case.k_pool, case.v_pool, bad, case.lengths, validate=False, kernel=tma)
+        assert device_errors() == ["a block table entry out of range"]
+        want = paged_verify_attention(case.q, case.k_pool, case.v_pool, bad, case.lengths, validate=False,
+                                      kernel=twin)
+        device_errors()
+        assert torch.equal(got, want) and torch.equal(got[0], case.run(kernel=tma)[0])
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_tma_graph_replay_with_new_lengths(hq, hkv) -> None:
+    """Every tma candidate in a CUDA graph (the tensor maps are kernel parameters, captured once): replays
+    with lengths moved across the split tiers and to 32K == eager launches == the cp.async twin."""
+    for tma, twin in _tma_pairs(hq, hkv):
+        case = Case([32760] * 4, hq, hkv, torch.float16, 16, False, seed=31)
+        table, lengths, q = case.table.clone(), case.lengths.clone(), case.q.clone()
+        lengths.copy_(torch.tensor([100, 8, 2049, 33], dtype=torch.int32))
+        paged_verify_attention(q, case.k_pool, case.v_pool, table, lengths, kernel=tma)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_verify_attention(q, case.k_pool, case.v_pool, table, lengths, kernel=tma)
+        for new in ([100, 8, 2049, 33], [9000, 4097, 32768, 17], [32768, 32767, 16, 16385]):
+            case.lengths_list = new
+            case.lengths = torch.tensor(new, dtype=torch.int32, device="cuda")
+            lengths.copy_(case.lengths)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, case.run(kernel=tma)), (tma, new)
+            assert torch.equal(out, case.run(kernel=twin)), (twin, new)
+        case.check(out, WG_REL)

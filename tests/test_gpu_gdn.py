@@ -88,6 +88,36 @@ def test_verify_then_advance_is_bitwise_single_steps(arch: str | int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_step_bits_do_not_depend_on_the_v_layout(arch: str | int, t: int) -> None:
+    """The step copies v as float4 when its channels are contiguous and 16-byte aligned with batch /
+    position strides a multiple of 4, element by element otherwise (gdn.cuh step): same bits either way,
+    with dynamic shared memory sized for T = 1, 8 and 16. dv = 40: a column block only half there."""
+    from dflashgen.runtime.gdn_kernel import gdn_step
+
+    b, hk, hv, dk, dv = 2, 4, 12, 128, 40
+    s0, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=31 + t)
+    a = _arch(arch)
+    dense = v.contiguous()
+    odd = torch.empty(dense.numel() + 1, device="cuda")[1:].view(dense.shape)  # 4 bytes past alignment
+    odd.copy_(dense)
+    wide = torch.zeros(b, t, 2 * hv * dv, device="cuda")
+    wide[..., ::2] = dense.reshape(b, t, hv * dv)
+    strided = wide[..., ::2].reshape(b, t, hv, dv)  # channel stride 2
+    padded = torch.zeros(b, t, hv * dv + 1, device="cuda")
+    padded[..., :hv * dv] = dense.reshape(b, t, hv * dv)
+    ragged = padded[..., :hv * dv].reshape(b, t, hv, dv)  # position stride hv * dv + 1 (odd)
+    # at T = 1 the position stride of the size-1 axis is arbitrary: the batch stride is the odd one
+    assert strided.stride(3) == 2 and ragged.stride(0 if t == 1 else 1) % 4 and odd.data_ptr() % 16
+    k_out = torch.empty_like(k)
+    want = gdn_step(s0, q, k, dense, beta, ld, k_out=k_out, arch=a)
+    assert torch.equal(k_out, k)
+    for name, view in (("strided", v), ("misaligned", odd), ("channel stride 2", strided), ("odd stride", ragged)):
+        got = gdn_step(s0, q, k, view, beta, ld, arch=a)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_request_bits_alone_equal_in_a_batch_of_8(arch: str | int) -> None:
     from dflashgen.runtime.gdn_kernel import gdn_step
 
@@ -226,3 +256,15 @@ def test_bad_inputs_on_cuda() -> None:
     odd.copy_(q)
     with pytest.raises(GdnInputError, match="16-byte aligned"):
         gdn_prefill(s0.clone(), odd, k, v, beta, ld)
+    with pytest.raises(GdnInputError, match="q must start at 16-byte aligned"):
+        gdn_step(s0, odd, k, v, beta, ld)  # the step stages q / k as float4 too
+    o = torch.empty(2 * 8 * 4 * 16 + 1, device="cuda")[1:].view(2, 8, 4, 16)  # 4 bytes past alignment
+    with pytest.raises(GdnInputError, match="o must start at 16-byte aligned"):
+        gdn_step(s0, q, k, v, beta, ld, o=o)
+    from dflashgen.runtime.gdn_kernel import gdn_advance
+
+    _, u, d = gdn_step(s0, q, k, v, beta, ld)
+    u_odd = torch.empty(u.numel() + 1, device="cuda")[1:].view(u.shape)
+    u_odd.copy_(u)
+    with pytest.raises(GdnInputError, match="u must start at 16-byte aligned"):
+        gdn_advance(s0.clone(), k, u_odd, d, torch.full((2,), 8, device="cuda"))

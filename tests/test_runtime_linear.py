@@ -178,6 +178,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, tuple[int, ...], int, list[int]]] = []
         self.shared: list[int] = []  # dynamic shared memory bytes per launch
+        self.pdl: list[bool] = []  # launched through cuLaunchKernelEx with programmatic serialization
 
     def __call__(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
         import ctypes
@@ -188,6 +189,20 @@ class _Recorder:
         vals[1] = ctypes.c_int.from_address(ptrs[1]).value  # M
         self.calls.append((fn.value, (gx.value, gy.value, gz.value), stream.value or 0, vals))
         self.shared.append(shared.value)
+        self.pdl.append(False)
+        return 0
+
+    def ex(self, cfg_ref, fn, params, extra) -> int:
+        """cuLaunchKernelEx's stand-in: the same record from the CUlaunchConfig the driver would read."""
+        import ctypes
+
+        cfg = cfg_ref._obj
+        attrs = [cfg.attrs[i] for i in range(cfg.num_attrs)]
+        c = ctypes.c_uint
+        self(fn, *(c(g) for g in cfg.grid), *(c(b) for b in cfg.block), c(cfg.shared), ctypes.c_void_p(cfg.stream),
+             params, extra)
+        # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6), value 1
+        self.pdl[-1] = [(a.id, a.value[0]) for a in attrs] == [(6, 1)]
         return 0
 
 
@@ -214,6 +229,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(kernels.GemmKernel, "_function", lambda self: Fn(self.name, 2 if self.split_k > 1 else 1))
     monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
     monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
+    monkeypatch.setattr(driver, "_untyped_launch_ex", lambda: rec.ex)
 
     def make(fmt: str = "nvfp4", n: int = N, k: int = K, split_k: int = 1) -> library.KernelLibrary:
         lib = library.KernelLibrary(device=torch.device("cpu"), table=Path("/nonexistent"))
@@ -231,6 +247,42 @@ def fake_gpu(monkeypatch):
         return lib
 
     return make, rec
+
+
+def test_sm90_gemms_launch_with_programmatic_serialization(fake_gpu, monkeypatch) -> None:
+    """sm_90 GEMMs (their kernels wait on griddepcontrol before touching anything but weights) go
+    through cuLaunchKernelEx with programmatic stream serialization, grid / stream / arguments as
+    the plain launch; DFLASHGEN_PDL=0 launches them plainly."""
+    import ctypes
+
+    from dflashgen.runtime import driver
+
+    make, rec = fake_gpu
+    n, k = 24, 5120
+    for env, want in ((None, True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv("DFLASHGEN_PDL", raising=False)
+        else:
+            monkeypatch.setenv("DFLASHGEN_PDL", env)
+        lib = make("nvfp4", n, k, split_k=2)
+        mod = QuantLinear(_weight("nvfp4", n, k), "in_proj_ba", library=lib)
+        launch = mod.prepare(8)
+        assert launch is not None and launch.kern.pdl is want and launch._main.pdl is want
+        x = _x(8, k)
+        y = mod(x)
+        assert rec.pdl[-1] is want
+        _, grid, stream, main = rec.calls[-1]
+        assert grid == (1, launch.kern._grid_y, launch.kern.split_k) and stream == 7
+        assert main[0] == x.data_ptr() and main[1] == 8 and main[5] == y.data_ptr()
+        before = len(rec.calls)
+        launch._main.grid[0].value, launch._main.stream.value = 5, 9  # the views write the launch config
+        launch._main.launch()
+        assert len(rec.calls) == before + 1 and rec.calls[-1][1][0] == 5 and rec.calls[-1][2] == 9
+        assert rec.pdl[-1] is want
+    # the config struct is cuda.h's CUlaunchConfig / CUlaunchAttribute byte for byte
+    assert (ctypes.sizeof(driver._LaunchConfig), driver._LaunchConfig.stream.offset,
+            driver._LaunchConfig.attrs.offset, driver._LaunchConfig.num_attrs.offset) == (56, 32, 40, 48)
+    assert ctypes.sizeof(driver._LaunchAttribute) == 72 and driver._LaunchAttribute.value.offset == 8
 
 
 def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
@@ -555,6 +607,7 @@ def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, t
     monkeypatch.setattr(kernels, "ensure_context", lambda index: None)
     monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
     monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
+    monkeypatch.setattr(driver, "_untyped_launch_ex", lambda: rec.ex)
     image = tmp_path / "k.cubin"
     image.write_bytes(b"")
     n, k = 16480, 5120

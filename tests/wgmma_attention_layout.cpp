@@ -69,7 +69,29 @@ void mnmajor() {
         d.bitfield.leading_byte_offset_, d.bitfield.stride_byte_offset_);
 }
 
+// TMA boxes (tma: 1): a page of PAGE = 16 tokens x 64 columns written with SWIZZLE_128B (the pattern
+// on the shared address: chunk bits [4, 7) ^= address bits [7, 10)) from tma_box_off lands every
+// 16-byte chunk where the cp.async copies put it (sw128_off), so the descriptors read the same tile.
+template <int T>
+void tma_boxes() {
+  for (int tok0 = 0; tok0 < T; tok0 += 16)
+    for (int a = 0; a < 4; ++a) {
+      const int start = wa::tma_box_off<T>(tok0, a);
+      CHECK(start % 1024 == 0, "TMA T=%d box (%d, %d) start %d not 1024-byte aligned", T, tok0, a, start);
+      for (int i = 0; i < 16; ++i)
+        for (int c = 0; c < 8; ++c) {
+          const int lin = start + 128 * i + 16 * c;  // the box's row-major byte, before the swizzle
+          const int addr = lin ^ (((lin >> 7) & 7) << 4);
+          CHECK(addr == wa::sw128_off<T>(tok0 + i, 8 * a + c) && addr == start + 128 * i + 16 * (c ^ (i & 7)),
+                "TMA T=%d token %d chunk %d: %d vs %d", T, tok0 + i, 8 * a + c, addr, wa::sw128_off<T>(tok0 + i, 8 * a + c));
+        }
+    }
+}
+
 int main() {
+  tma_boxes<16>();
+  tma_boxes<32>();
+  tma_boxes<64>();
   kmajor<64>();
   kmajor<32>();
   kmajor<16>();

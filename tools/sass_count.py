@@ -52,17 +52,24 @@ def hmma_per_group(kernel: str) -> int:
     return int(kg) // 16 * int(nt) * int(rows) // 8  # m16n8k16: one HMMA per 16 K, 8 rows, warp tile
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def built_kernels(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path, dict[str, dict]]:
+    """Parse the SASS tools' common arguments (REGEX, --cache, --arch, --cuobjdump, plus what ``ap``
+    adds): (the arguments, the build folder, its build record's entries whose name matches REGEX)."""
     ap.add_argument("regex")
     ap.add_argument("--cache", default=os.environ.get("DFLASHGEN_CACHE", str(Path.home() / ".cache/dflashgen")))
     ap.add_argument("--arch", default="90")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
-    ap.add_argument("--ops", action="store_true", help="opcode histogram per group")
     a = ap.parse_args()
     build = Path(a.cache) / "build"
     rec = json.loads((build / f"sm_{a.arch}" / "record.json").read_text())["kernels"]
-    for name in sorted(n for n in rec if re.search(a.regex, n)):
+    return a, build, {n: rec[n] for n in sorted(rec) if re.search(a.regex, n)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", action="store_true", help="opcode histogram per group")
+    a, build, rec = built_kernels(ap)
+    for name in rec:
         r = rec[name]
         body = main_loop(disassemble(a.cuobjdump, build / r["cubin"], name))
         body = [i for i in body if i[1] != "NOP"]

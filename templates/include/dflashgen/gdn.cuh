@@ -33,6 +33,52 @@ constexpr int CPT = 4;  // columns per thread: one float4 per row
 
 __device__ __forceinline__ int clamp_steps(long long n, int T) { return n < 0 ? 0 : n > T ? T : (int)n; }
 
+// 16-byte global -> shared copy (both addresses 16-byte aligned). sm_80+: cp.async (no registers, every
+// copy of the CTA in flight at once, overlapping the state's loads); before: a float4 load and store.
+// Data movement only: the bits that land in shared memory are the loaded ones either way.
+__device__ __forceinline__ void copy16(float* smem, const float* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<float4*>(smem) = __ldg(reinterpret_cast<const float4*>(gmem));
+#endif
+}
+// Waits for this thread's copy16s (a __syncthreads must follow before other threads read them).
+__device__ __forceinline__ void copy16_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>(smem) = make_float4(0.f, 0.f, 0.f, 0.f); }
+
+// Rows [0, rows) of DK floats each, row t at src + t * stride (16-byte aligned, stride % 4 == 0), into
+// dst[t * DK ...] as float4, for NS (source, destination) pairs with the same row stride (q and k): a
+// thread copies float4 i4 = tid % (DK / 4) of rows tid / (DK / 4) + m * (THREADS / (DK / 4)), its source
+// addresses advancing by a fixed stride (no index math per element). Not unrolled: with cp.async
+// nothing waits inside the loop, and unrolled addresses would sit in registers beside the state.
+template <int DK, int THREADS, int NS>
+__device__ __forceinline__ void stage_rows(float* const (&dst)[NS], const float* const (&src)[NS], long long stride,
+                                           int rows) {
+  constexpr int V4 = DK / 4, RPR = THREADS / V4;  // float4 per row, rows per round of the CTA
+  static_assert(DK % 4 == 0 && THREADS % V4 == 0, "a round of the CTA covers whole rows");
+  const int i4 = threadIdx.x % V4;
+  int t = threadIdx.x / V4;
+  const float* from[NS];
+  float* to[NS];
+#pragma unroll
+  for (int i = 0; i < NS; ++i) from[i] = src[i] + t * stride + 4 * i4, to[i] = dst[i] + t * DK + 4 * i4;
+#pragma unroll 1
+  for (; t < rows; t += RPR) {
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      copy16(to[i], from[i]);
+      from[i] += RPR * stride;
+      to[i] += RPR * DK;
+    }
+  }
+}
+
 template <int DK>
 struct Col {
   static constexpr int R = DK / LR;
@@ -123,6 +169,7 @@ template <int WARPS>
 struct Layout {
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int COLS = WARPS * LC * CPT;  // columns per CTA
+  static_assert(CPT == 4, "one float4 of columns per thread");
   int lr, j0;  // this thread's first row and first column
   bool live;   // its columns exist (dv % 4 == 0: all four or none)
   __device__ __forceinline__ Layout(int dv) {
@@ -133,9 +180,17 @@ struct Layout {
   }
 };
 
-// q, k [B, T, Hk, DK] contiguous; v element (b, t, h * dv + j) at b * vs_b + t * vs_t + (h * dv + j) * vs_c;
-// beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]; decay [B, T, Hv];
-// k_out [B, T, Hk, DK] (a copy of k for advance; nullptr: none). S0 [B, Hv, DK, dv].
+// Dynamic shared memory of a step launch: qs [T][DK], ks [T][DK], vs [T][COLS], bs [T], ds [T] floats,
+// in that order (runtime/gdn_kernel.py launches with step_smem_bytes(T); gdn_family.py puts the per-position
+// bytes in the manifest). Sized for the launch's T, not MAXT: T = 8 needs half of T = 16's footprint.
+template <int DK, int COLS>
+constexpr int step_smem_floats_per_t() { return 2 * DK + COLS + 2; }
+
+// q, k [B, T, Hk, DK] contiguous, 16-byte aligned; v element (b, t, h * dv + j) at b * vs_b + t * vs_t +
+// (h * dv + j) * vs_c (copied as float4 when vs_c == 1, v is 16-byte aligned and vs_b, vs_t are multiples
+// of 4, else element by element); beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]
+// (16-byte aligned); decay [B, T, Hv]; k_out [B, T, Hk, DK] (a copy of k for advance, 16-byte aligned;
+// nullptr: none). S0 [B, Hv, DK, dv]. The runtime checks every alignment named here.
 template <int DK, int MAXT, int WARPS>
 __device__ __forceinline__ void step(const float* s0, const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, long long vs_b, long long vs_t, long long vs_c,
@@ -144,71 +199,99 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
                                      float* __restrict__ decay, float* __restrict__ k_out, float* commit,
                                      const long long* __restrict__ n) {
   using L = Layout<WARPS>;
-  __shared__ float qs[MAXT][DK], ks[MAXT][DK], vs[MAXT][L::COLS], bs[MAXT], ds[MAXT];
+  constexpr int C4 = L::COLS / 4;  // float4 per value row of the CTA
+  extern __shared__ __align__(16) float smem[];
+  float* const qs = smem;
+  float* const ks = qs + T * DK;
+  float* const vs = ks + T * DK;
+  float* const bs = vs + T * L::COLS;
+  float* const ds = bs + T;
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
   const L lay(dv);
   const long long bt = (long long)b * T;
   const long long sbase = ((long long)b * Hv + h) * DK * dv;
   Col<DK> col;
   col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
-  const int nqk = T * DK;  // elements [0, nqk): q, [nqk, 2 nqk): k
-  stage<L::THREADS>(
-      2 * nqk,
-      [&](int e) {
-        const int f = e < nqk ? e : e - nqk;
-        const long long at = ((bt + f / DK) * Hk + kh) * DK + f % DK;
-        return e < nqk ? q[at] : k[at];
-      },
-      [&](int e, float x) {
-        const int f = e < nqk ? e : e - nqk;
-        (e < nqk ? qs : ks)[f / DK][f % DK] = x;
-      });
-  stage<L::THREADS>(
-      T * L::COLS,
-      [&](int e) {
-        const int t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
-        return j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
-      },
-      [&](int e, float x) { vs[e / L::COLS][e % L::COLS] = x; });
+  const long long qk0 = (bt * Hk + kh) * DK;          // q / k row of (b, t = 0, kh); rows Hk * DK apart
+  stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
+  const int jc = blockIdx.x * L::COLS;  // the CTA's first column
+  if (vs_c == 1 && ((reinterpret_cast<unsigned long long>(v) & 15) | ((vs_b | vs_t) & 3)) == 0) {
+    const float* vb = v + b * vs_b + (long long)h * dv + jc;
+#pragma unroll
+    for (int m = 0; m < (MAXT * C4 + L::THREADS - 1) / L::THREADS; ++m) {
+      const int e = threadIdx.x + m * L::THREADS, t = e / C4, j4 = 4 * (e % C4);
+      if (t < T) {
+        if (jc + j4 < dv)  // dv % 4 == 0: a float4 of columns is all there or all absent
+          copy16(vs + t * L::COLS + j4, vb + t * vs_t + j4);
+        else
+          zero16(vs + t * L::COLS + j4);
+      }
+    }
+  } else {  // any other v layout: element by element (4 loads in flight: few registers beside the state)
+    stage<L::THREADS, 4>(
+        T * L::COLS,
+        [&](int e) {
+          const int t = e / L::COLS, j = jc + e % L::COLS;
+          return j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+        },
+        [&](int e, float x) { vs[e] = x; });
+  }
   if (threadIdx.x < T) {
     const long long at = (bt + threadIdx.x) * Hv + h;
     bs[threadIdx.x] = beta[at];
     ds[threadIdx.x] = expf(log_decay[at]);
     if (blockIdx.x == 0) decay[at] = ds[threadIdx.x];
   }
+  copy16_wait();
   __syncthreads();
   if (k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0) {  // from shared memory: no second load
-    for (int e = threadIdx.x; e < nqk; e += L::THREADS)
-      k_out[((bt + e / DK) * Hk + kh) * DK + e % DK] = ks[e / DK][e % DK];
+    constexpr int V4 = DK / 4, RPR = L::THREADS / V4;  // as stage_rows: float4 i4 of every RPR-th row
+    const int i4 = threadIdx.x % V4;
+    int t = threadIdx.x / V4;
+    float* to = k_out + qk0 + t * (long long)Hk * DK + 4 * i4;
+    const float* from = ks + t * DK + 4 * i4;
+#pragma unroll 1
+    for (; t < T; t += RPR, to += RPR * (long long)Hk * DK, from += RPR * DK)
+      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
   }
 
   // positions to commit: S after `keep` steps is stored (0: S0 stays; -1: no commit)
   const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
-  const int jl = lay.j0 - blockIdx.x * L::COLS;
+  const int jl = lay.j0 - jc;
+  const long long ou = (bt * Hv + h) * dv + lay.j0;  // o / u offset of (b, t, h, j0), advancing by Hv * dv
   for (int t = 0; t < T; ++t) {
     float ut[CPT], ot[CPT];
-    col.position(ds[t], bs[t], ks[t], qs[t], &vs[t][jl], lay.lr, ut, ot);
+    const float4 v4 = *reinterpret_cast<const float4*>(vs + t * L::COLS + jl);
+    const float vt[CPT] = {v4.x, v4.y, v4.z, v4.w};
+    col.position(ds[t], bs[t], ks + t * DK, qs + t * DK, vt, lay.lr, ut, ot);
     if (lay.live && lay.lr == 0) {
-      const long long at = ((bt + t) * Hv + h) * dv + lay.j0;
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) {
-        o[at + c] = ot[c];
-        u[at + c] = ut[c];
-      }
+      const long long at = ou + (long long)t * (Hv * dv);
+      *reinterpret_cast<float4*>(o + at) = make_float4(ot[0], ot[1], ot[2], ot[3]);
+      *reinterpret_cast<float4*>(u + at) = make_float4(ut[0], ut[1], ut[2], ut[3]);
     }
     if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
   }
 }
 
+// Dynamic shared memory of an advance launch: ks [T][DK], us [T][COLS], ds [T] floats, in that order
+// (runtime/gdn_kernel.py: T * advance_smem_floats_per_t floats).
+template <int DK, int COLS>
+constexpr int advance_smem_floats_per_t() { return DK + COLS + 1; }
+
 // S [L, B, Hv, DK, dv] (layer stride s_l, batch-contiguous inside a layer); k [L, B, T, Hk, DK],
 // u [L, B, T, Hv, dv], decay [L, B, T, Hv] (layer strides k_l, u_l, d_l); n [B] in [0, T] (clamped).
+// k and u 16-byte aligned in every layer (copied as float4; the runtime checks).
 template <int DK, int MAXT, int WARPS>
 __device__ __forceinline__ void advance(float* s, long long s_l, const float* __restrict__ k, long long k_l,
                                         const float* __restrict__ u, long long u_l, const float* __restrict__ decay,
                                         long long d_l, const long long* __restrict__ n, int B, int T, int Hk,
                                         int Hv, int dv) {
   using L = Layout<WARPS>;
-  __shared__ float ks[MAXT][DK], us[MAXT][L::COLS], ds[MAXT];
+  constexpr int C4 = L::COLS / 4;
+  extern __shared__ __align__(16) float smem[];
+  float* const ks = smem;
+  float* const us = ks + T * DK;
+  float* const ds = us + T * L::COLS;
   const int h = blockIdx.y, layer = blockIdx.z / B, b = blockIdx.z % B, kh = h / (Hv / Hk);
   const int steps = clamp_steps(n[b], T);
   if (steps == 0) return;
@@ -220,25 +303,28 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
   k += layer * k_l;
   u += layer * u_l;
   decay += layer * d_l;
-  stage<L::THREADS>(
-      steps * DK, [&](int e) { return k[((bt + e / DK) * Hk + kh) * DK + e % DK]; },
-      [&](int e, float x) { ks[e / DK][e % DK] = x; });
-  stage<L::THREADS>(
-      steps * L::COLS,  // all loads up front: no latency per step
-      [&](int e) {
-        const int j = blockIdx.x * L::COLS + e % L::COLS;
-        return j < dv ? u[((bt + e / L::COLS) * Hv + h) * dv + j] : 0.f;
-      },
-      [&](int e, float x) { us[e / L::COLS][e % L::COLS] = x; });
-  if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
-  __syncthreads();
-  const int jl = lay.j0 - blockIdx.x * L::COLS;
-  for (int t = 0; t < steps; ++t) {
-    float ut[CPT];
+  stage_rows<DK, L::THREADS, 1>({ks}, {k + (bt * Hk + kh) * DK}, (long long)Hk * DK, steps);
+  const int jc = blockIdx.x * L::COLS;
+  const float* ug = u + (bt * Hv + h) * dv + jc;  // (b, t = 0, h, jc); positions Hv * dv apart
 #pragma unroll
-    for (int c = 0; c < CPT; ++c) ut[c] = us[t][jl + c];
+  for (int m = 0; m < (MAXT * C4 + L::THREADS - 1) / L::THREADS; ++m) {  // all loads up front
+    const int e = threadIdx.x + m * L::THREADS, t = e / C4, j4 = 4 * (e % C4);
+    if (t < steps) {
+      if (jc + j4 < dv)
+        copy16(us + t * L::COLS + j4, ug + (long long)t * Hv * dv + j4);
+      else
+        zero16(us + t * L::COLS + j4);
+    }
+  }
+  if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
+  copy16_wait();
+  __syncthreads();
+  const int jl = lay.j0 - jc;
+  for (int t = 0; t < steps; ++t) {
+    const float4 u4 = *reinterpret_cast<const float4*>(us + t * L::COLS + jl);
+    const float ut[CPT] = {u4.x, u4.y, u4.z, u4.w};
     col.decay(ds[t]);
-    col.add(ks[t], ut, lay.lr);
+    col.add(ks + t * DK, ut, lay.lr);
   }
   col.store(S, dv, lay.lr, lay.j0, lay.live);
 }

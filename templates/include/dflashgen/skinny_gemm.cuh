@@ -35,6 +35,23 @@ __device__ __forceinline__ void static_for(F&& f) {
     static_for<N, I + 1>(f);
   }
 }
+// Programmatic dependent launch (sm_90; no-ops before): the runtime launches sm_90 GEMMs with
+// programmatic stream serialization, so a launch may start while the previous kernel in the stream
+// is still finishing. Everything a kernel reads before pdl_wait() must be independent of earlier
+// kernels (the prepacked weights and scales are); pdl_wait() returns once they have completed and
+// their memory is visible. pdl_launch_dependents() lets the next such launch start its own weight
+// prefetch while this grid's last CTAs run their epilogues.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <class C, class = void>
 struct CfgWgmma {
   static constexpr bool value = false;
@@ -101,7 +118,9 @@ struct SkinnyGemm {
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WG) {
       if (threadIdx.x >= 32 * Cfg::WARPS_N * Cfg::WARPS_K) {  // the activation producer warp
+        pdl_wait();
         produce_wgmma(x, M, smem);
+        pdl_launch_dependents();
         return;
       }
     }
@@ -158,6 +177,9 @@ struct SkinnyGemm {
           if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + s * T::SCALE_WORDS);
           else sbuf[s][i] = 0;
         }
+      // Only the weight stream above may run ahead of the previous kernel: activations, partials,
+      // tickets and outputs below may be its outputs or inputs.
+      pdl_wait();
 
       // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
       constexpr int U0 = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
@@ -235,6 +257,7 @@ struct SkinnyGemm {
       }  // !X_SMEM
     }
 
+    pdl_launch_dependents();  // main loop done: the next GEMM may start streaming its weights
     // Intra-CTA K reduction in warp order.
     if constexpr (Cfg::WARPS_K > 1) {
       if constexpr (Cfg::X_SMEM) __syncthreads();  // `red` overlays the other workers' rings

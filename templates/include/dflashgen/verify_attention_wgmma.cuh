@@ -38,6 +38,27 @@
 // registers or reads its accumulators, and the softmax runs under the PV only if the P packing
 // (FP32 -> FP16 A fragments) follows the PV's wait: both checked on the SASS (no C7513 / C7514;
 // WARPGROUP.DEPBAR.LE gsb0 0x1 ... MUFU.EX2 ... 0x0).
+//
+// TMA variant (schedule `tma: 1`, `_wg1_tma1_` in the name; VerifyAttentionWg<Cfg, true>; FP16 KV,
+// whole 16-token pages per tile; session-7 helper, written before any GPU run). Only the copy
+// mechanism changes: the same tiles in the same order, the same QK / softmax / rescale / PV sequence,
+// partials, merge and error bits as the cp.async kernel of the same tile / stages / kvg / split rule,
+// so the outputs are bitwise equal to that twin. One extra warp (the producer, warp 4 x KVG: the
+// consumer warpgroups keep warps 0 .. 4 KVG - 1 and their thread indexing) stages the page ids with
+// everyone, then its lane 0 issues every K/V copy as cp.async.bulk.tensor.4d from two tensor maps
+// (kernel parameters, const __grid_constant__, built on the host by cuTensorMapEncodeTiled over the K
+// and V pools: dims (D, Hkv, page, num_blocks), SWIZZLE_128B, box (64, 1, PAGE, 1) = one 64-column
+// atom of one KV head's page = one 16-row x 128-byte swizzled block of the wgmma tile, so the TMA
+// writes exactly the layout the descriptors read). Ring stage s has a full mbarrier (count 1: the
+// producer's arrive.expect_tx of the stage's bytes, completed by the copies) and an empty mbarrier
+// (count 128 KVG: every consumer thread arrives once its PV of the stage was waited for); the producer
+// refills a slot as soon as it is released, up to STAGES stages ahead of the consumers (the cp.async
+// loops keep STAGES - 2 (overlapped) / 1 (in order) ahead). The consumers issue no copy instructions
+// and no CTA barrier per tile. Masking is kept exact: an invalid page id (-1 from stage_pages, which
+// flags ATTN_ERR_PAGE) and a page wholly past `end` are loaded from page index num_blocks, outside the
+// map: zero-filled, no global read, the whole box still counted; the tokens past `end` of the last,
+// partial page are zeroed by the consumers (K and V; then fence.proxy.async and a consumer barrier)
+// on the split's last stage only, so shared memory holds what the cp.async zero-fill gives.
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -110,9 +131,51 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   return *reinterpret_cast<const u32*>(&h);
 }
 
+// TMA (tma: 1): the kernel's CUtensorMap parameters (an opaque 128-byte, 64-byte aligned struct built on
+// the host by cuTensorMapEncodeTiled; NVRTC has no <cuda.h>), mbarriers and the tiled bulk copy.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Box {c0, c1, c2, c3} of the 4-d map at generic address `map` -> shared `dst`; completes `bytes` of
+// the mbarrier's transaction count (the whole box, zero-filled where it leaves the map).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, u32 bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
 }  // namespace wgattn
 
-template <class Cfg>
+template <class Cfg, bool TMA_ = false>
 struct VerifyAttentionWg {
   using Base = VerifyAttention<Cfg>;  // the merge kernel, length check
   static constexpr int GROUP = Cfg::GROUP, QROWS = Cfg::QROWS, HKV = Cfg::HKV, HQ = GROUP * HKV;
@@ -122,7 +185,10 @@ struct VerifyAttentionWg {
   // KVG token groups = warpgroups: a ring stage holds KVG tiles, warpgroup g takes tile g of every stage
   // with its own softmax state; the groups' (max, sum, O) are combined in group order at the end.
   static constexpr int KVG = Cfg::KVG, TT = KVG * T;
-  static constexpr int THREADS = 128 * KVG;
+  static constexpr int THREADS = 128 * KVG;  // the consumer warpgroups (all of them without TMA)
+  // TMA: one more warp (the producer; its lane 0 issues every K/V copy), after the warpgroups
+  static constexpr bool TMA = TMA_;
+  static constexpr int NTHREADS = THREADS + (TMA ? 32 : 0);
   static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
   static_assert((KVG == 1 || KVG == 2) && Cfg::HS == 1 && Cfg::DS == 1, "wgmma kernel: kvg 1 or 2, no hs / ds");
   static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
@@ -130,6 +196,8 @@ struct VerifyAttentionWg {
   static_assert(T == 16 || T == 32 || T == 64, "tile: wgmma N of the QK step");
   static_assert(SPLIT % T == 0 && Cfg::MIN_SPLIT % T == 0 && STAGES >= 2, "tile shape / ring");
   static_assert((PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
+  static_assert(!TMA || (Cfg::KV == KvType::FP16 && T % PAGE == 0 && PAGE <= 256),
+                "TMA: FP16 KV, whole pages per tile (a box is one page of one 64-column atom)");
 
   // FP8 KV (E5M2 / E4M3): the ring holds the tiles as stored (rows of RAW_CH 16-byte chunks, chunk c
   // of token t at c ^ (t & 7)); each tile is decoded exactly to FP16 (E4M3: value x 2^-8, the runtime
@@ -153,7 +221,8 @@ struct VerifyAttentionWg {
   static constexpr int NPG = (SPLIT + PAGE - 1) / PAGE + 1;
   static constexpr int TB_BYTES = (NPG * 4 + 15) / 16 * 16;
   static constexpr int ALIGN = 1024;
-  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES;
+  static constexpr int BAR_BYTES = TMA ? 2 * 8 * STAGES : 0;  // TMA: full[STAGES], empty[STAGES] mbarriers
+  static constexpr int SMEM = ALIGN + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES + BAR_BYTES;
   static_assert(Q_BYTES % ALIGN == 0 && KV_TILE % ALIGN == 0 && RAW_TILE % ALIGN == 0,
                 "swizzle blocks stay 1024-byte aligned");
   // Group combine: group 1 parks O (128 floats per thread) and (max, sum) per row in the idle ring.
@@ -163,10 +232,17 @@ struct VerifyAttentionWg {
   __device__ static void copy16(u32 dst, const char* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
   }
-  __device__ static void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+  __device__ static void commit() {
+    if constexpr (!TMA) asm volatile("cp.async.commit_group;" ::: "memory");
+  }
   template <int N>
   __device__ static void wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+    if constexpr (!TMA) asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+  }
+  // A barrier of the consumer warpgroups (TMA: the producer warp has left; named barrier 1).
+  __device__ static void consumer_sync() {
+    if constexpr (TMA) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    else __syncthreads();
   }
   __device__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -235,7 +311,8 @@ struct VerifyAttentionWg {
                              const char* __restrict__ vpool, long long block_stride, int num_blocks,
                              const int* __restrict__ block_tables, int table_stride, const int* __restrict__ lengths,
                              float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
-                             int max_splits, int* __restrict__ err, char* smem_raw) {
+                             int max_splits, int* __restrict__ err, char* smem_raw, const void* kmap = nullptr,
+                             const void* vmap = nullptr) {
     const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
     int cand[Cfg::NSIZES];  // the split's page id under each split size, loaded with the length
@@ -255,16 +332,66 @@ struct VerifyAttentionWg {
     char* smem = smem_raw + pad;
     const u32 sq = raw_addr + pad, sst = sq + Q_BYTES;
     int* spages = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES);
+    // TMA: mbarriers full[s] (the producer's arrive + the stage's bytes) and empty[s] (every consumer
+    // thread once it is done with the stage), after the page ids
+    const u32 sbar = sq + Q_BYTES + STAGES * STAGE_BYTES + CVT_BYTES + TB_BYTES;
+    auto full_bar = [&](int tile) { return sbar + 8 * (tile % STAGES); };
+    auto empty_bar = [&](int tile) { return sbar + 8 * (STAGES + tile % STAGES); };
 
     const int pg0 = begin / PAGE, npg = (end - 1) / PAGE - pg0 + 1;
-    Base::template stage_pages<THREADS>(cand, size, table, pg0, npg, num_blocks, err, spages);
+    Base::template stage_pages<NTHREADS>(cand, size, table, pg0, npg, num_blocks, err, spages);
+    if constexpr (TMA) {
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+          wgattn::mbar_init(full_bar(s), 1);
+          wgattn::mbar_init(empty_bar(s), THREADS);
+        }
+        wgattn::mbar_init_fence();
+      }
+    }
     __syncthreads();
+    if constexpr (TMA) {
+      // The producer warp: lane 0 fills stage after stage (tile t waits for the consumers' release of
+      // tile t - STAGES), one box per (page, 64-column atom) of K and of V, straight into the swizzled
+      // wgmma layout (the map's SWIZZLE_128B applies the same chunk ^ (row & 7) on the shared address;
+      // every box lands 1024-byte aligned: 16 rows x 128 B). Pages wholly past `end` and invalid page ids
+      // (-1, flagged by stage_pages) load from page index num_blocks: outside the map, so zero-filled,
+      // no global read, and the transaction count still gets the whole box.
+      if (threadIdx.x >= THREADS) {
+        if (threadIdx.x == THREADS) {
+          wgattn::tma_prefetch(kmap);
+          wgattn::tma_prefetch(vmap);
+          for (int tile = 0; tile < tiles; ++tile) {
+            if (tile >= STAGES) wgattn::mbar_wait(empty_bar(tile), ((tile / STAGES) - 1) & 1);
+            const u32 st = sst + (tile % STAGES) * STAGE_BYTES, fb = full_bar(tile);
+            wgattn::mbar_arrive_tx(fb, STAGE_BYTES);
+            const int t0 = begin + tile * TT;
+#pragma unroll
+            for (int p = 0; p < TT / PAGE; ++p) {
+              const int blk = t0 + p * PAGE < end ? spages[t0 / PAGE - pg0 + p] : -1;
+              const int page = blk >= 0 ? blk : num_blocks;
+              const u32 dst = st + (p * PAGE / T) * KV_TILE;  // tile p PAGE / T of the stage
+#pragma unroll
+              for (int a = 0; a < D / 64; ++a) {
+                const u32 box = dst + wgattn::tma_box_off<T>(p * PAGE % T, a);
+                wgattn::tma_load_4d(box, kmap, fb, 64 * a, kh, 0, page);
+                wgattn::tma_load_4d(box + RAW_TILE, vmap, fb, 64 * a, kh, 0, page);
+              }
+            }
+          }
+        }
+        return;
+      }
+    }
 
     // Pipeline prologue, then Q (zeros for padded rows and rows past nq) while the copies fly.
+    if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
-      commit();
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) load_tile(sst + s * STAGE_BYTES, begin + s * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
+        commit();
+      }
     }
     for (int idx = threadIdx.x; idx < M * CH; idx += THREADS) {
       const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
@@ -274,6 +401,7 @@ struct VerifyAttentionWg {
       *reinterpret_cast<uint4*>(smem + wgattn::sw128_off<M>(r, c)) = v;
     }
     fence_async();  // Q's st.shared -> visible to wgmma (the loop's first barrier orders it)
+    if constexpr (TMA) consumer_sync();  // (TMA: the loop has no CTA barrier per tile)
 
     // Thread (warp w, g = lane / 4, t = lane % 4) holds accumulator rows 16 w + g (j = 0) and
     // 16 w + g + 8 (j = 1), columns 8 n + 2 t, + 1 of every 8-column block n.
@@ -295,7 +423,8 @@ struct VerifyAttentionWg {
     auto stage = [&](int tile) { return sst + (tile % STAGES) * STAGE_BYTES; };
     // (`tile` below: a stage of KVG tiles; this warpgroup's is tile grp of it.)
     auto load = [&](int tile) {  // the stage's K and V into its ring slot (nothing past the split)
-      if (tile < tiles) load_tile(stage(tile), begin + tile * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
+      if constexpr (!TMA)
+        if (tile < tiles) load_tile(stage(tile), begin + tile * TT, end, spages, pg0, kpool, vpool, block_stride, kh);
     };
     // The FP16 K tiles wgmma reads (then the V tiles): the ring slot, or (FP8) the decode buffer.
     constexpr int CVT_OFF = Q_BYTES + STAGES * STAGE_BYTES;
@@ -306,6 +435,23 @@ struct VerifyAttentionWg {
     // Tile `tile` landed (this thread's copies: the caller waited) -> visible to every thread and to
     // wgmma; FP8: decoded first (its buffer's previous tile was waited for before the caller's wait).
     auto ready = [&](int tile) {
+      if constexpr (TMA) {
+        // The stage's bytes landed. Tokens past `end` of a partial page were loaded as stored: zero
+        // them (K and V, as the cp.async kernel's zero-fill leaves them) before any wgmma reads them.
+        wgattn::mbar_wait(full_bar(tile), (tile / STAGES) & 1);
+        const int t0 = begin + tile * TT;
+        if (t0 + TT > end) {  // the split's last stage only (uniform)
+          for (int idx = threadIdx.x; idx < 2 * TT * CH; idx += THREADS) {
+            const int which = idx / (TT * CH), tok = (idx / CH) % TT, c = idx % CH;
+            if (t0 + tok >= end)
+              *reinterpret_cast<uint4*>(smem + (stage(tile) - sq) + which * RAW_TILE + (tok / T) * KV_TILE +
+                                        wgattn::sw128_off<T>(tok % T, c)) = make_uint4(0u, 0u, 0u, 0u);
+          }
+          fence_async();
+          consumer_sync();
+        }
+        return;
+      }
       fence_async();
       __syncthreads();
       if constexpr (FP8) {
@@ -313,6 +459,10 @@ struct VerifyAttentionWg {
         fence_async();
         __syncthreads();
       }
+    };
+    // TMA: this thread is done with tile `tile`'s stage (its PV waited): the producer may refill it.
+    auto release = [&](int tile) {
+      if constexpr (TMA) wgattn::mbar_arrive(empty_bar(tile));
     };
     // S = Q K^T (FP32) of tile `tile`: 16 k-steps of 16 halves of D, one commit group.
     auto qk_issue = [&](int tile, float (&s)[T / 2]) {
@@ -419,6 +569,7 @@ struct VerifyAttentionWg {
         pv_issue(it, pa, alpha);
         cute::warpgroup_wait<0>();
         wgattn::fence_regs(o);
+        release(it);
       }
     } else {
       // FA3's intra-warpgroup overlap: iteration `it` issues QK of tile `it`, then PV of tile it - 1 (its
@@ -455,6 +606,7 @@ struct VerifyAttentionWg {
         softmax(it, s, an);  // in the S registers: PV(it - 1) still reads pa
         cute::warpgroup_wait<0>();  // PV of tile it - 1: its slot is free after the next barrier
         wgattn::fence_regs(o);
+        release(it - 1);
         pack(s, pa);  // (packing before this wait made ptxas wait for PV(it - 1) before the softmax)
         alpha[0] = an[0];
         alpha[1] = an[1];
@@ -467,7 +619,7 @@ struct VerifyAttentionWg {
     if constexpr (KVG > 1) {
       // Group 1 hands its (max, sum, O) to group 0 through the idle ring; group 0 combines them. Thread
       // i of either group holds the same accumulator elements (rows, columns).
-      __syncthreads();  // every warpgroup's last PV done: the ring is idle
+      consumer_sync();  // every warpgroup's last PV done: the ring is idle
       float* xo = reinterpret_cast<float*>(smem + Q_BYTES);  // [128 elements][128 threads]
       float* xml = xo + 128 * 128;                           // [64 rows][max, sum]
       const int ti = threadIdx.x & 127;
@@ -481,7 +633,7 @@ struct VerifyAttentionWg {
             xml[(16 * warp + g + 8 * j) * 2 + 1] = l_run[j];
           }
       }
-      __syncthreads();
+      consumer_sync();
       if (grp > 0) return;
       float w0[2], w1[2];
 #pragma unroll

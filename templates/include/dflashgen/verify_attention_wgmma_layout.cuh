@@ -45,5 +45,14 @@ __host__ __device__ constexpr int mnmajor_lbo() {
 }
 constexpr int MNMAJOR_SBO = 1024;
 
+// TMA (tma: 1): the start of the box holding columns 64 a .. 64 a + 63 of the page of tokens tok0 ..
+// tok0 + PAGE - 1 (tok0 % PAGE == 0, PAGE | T) in a tile of T rows. SWIZZLE_128B then writes the box's
+// 16-byte chunk c of row i at + 128 i + 16 (c ^ (i & 7)): the start is 1024-byte aligned (PAGE = 16),
+// so the TMA's address-based pattern is the tile's chunk c ^ (row & 7).
+template <int T>
+__host__ __device__ constexpr int tma_box_off(int tok0, int a) {
+  return a * (T * 128) + tok0 * 128;
+}
+
 }  // namespace wgattn
 }  // namespace dflashgen
