@@ -279,6 +279,7 @@ class BenchConfig:
     graphs: bool = True  # CUDA graphs for the target steps and the draft pass (on CUDA); False: eager
     sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
     join_group: int = 1  # SpecDecoder's admission group (join_group_for)
+    overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (default on CUDA)
 
     def join_group_for(self, b: int) -> int:
         """SpecDecoder's admission group at batch size b (capped at b). Default 1, each request as
@@ -414,7 +415,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
                           num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler,
-                          join_group=cfg.join_group_for(b))
+                          join_group=cfg.join_group_for(b), overlap_prefill=cfg.overlap_prefill)
         if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
@@ -437,10 +438,14 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             "accepted_length": s["mean_acceptance_length"],
             "rounds": s["rounds"],
             "mean_batch": s["mean_batch"],
-            # every other request waits while a joining one prefills: this share of the wall clock
-            # is what separates the efficiency from the per-round phases
+            # every other request waits while a joining one prefills (unless overlapped): this share of
+            # the wall clock is what separates the efficiency from the per-round phases
             "prefill_s": s["prefill_ms_total"] / 1e3,
+            # prefills run beside the rounds (overlap_prefill): their device time, contention included
+            "overlapped_prefill_s": s["overlapped_prefill_ms_total"] / 1e3,
+            "overlapped_prefills": s["overlapped_prefills"],
             **{f"median_{p}_ms": s[f"median_{p}_ms"] for p in PHASE_NAMES},
+            "median_prefill_queue_ms": s["median_prefill_ms"],  # host time queuing overlapped layers
             "output_0": outs[0],
         }
         if b == 1:
@@ -509,7 +514,12 @@ def _fmt(v: float | None, spec: str, unit: str = "") -> str:
 
 def _prefill_cell(r: dict[str, Any]) -> str:
     pre = r.get("prefill_s")  # absent in reports written before it was recorded
-    return "-" if pre is None else f"{pre:.2f} s ({100 * pre / r['wall_s']:.0f}%)"
+    if pre is None:
+        return "-"
+    cell = f"{pre:.2f} s ({100 * pre / r['wall_s']:.0f}%)"
+    if r.get("overlapped_prefills"):
+        cell += f" + {r['overlapped_prefills']} overlapped ({r['overlapped_prefill_s']:.2f} s)"
+    return cell
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -535,8 +545,10 @@ def format_table(report: dict[str, Any]) -> str:
 def format_markdown(report: dict[str, Any]) -> str:
     return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{format_table(report)}\n\n"
             "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
-            "prefill: total time spent prefilling joining requests (every request in flight waits) and "
-            "its share of the run's wall clock; join group: waiting requests are admitted once this many "
+            "prefill: total time spent prefilling joining requests while every request in flight waits, "
+            "and its share of the run's wall clock; + overlapped: joiners prefilled on a low-priority side "
+            "stream beside the rounds (their device time, contention included; the others keep decoding); "
+            "join group: waiting requests are admitted once this many "
             "slots are free (1: at once), in one joint prefill. "
             "TTFT runs from a request's admission (B requests in flight, prefill included) to its first "
             "token; TPOT = (t_last - t_first) / (n - 1) per request. Ideal efficiency = tok/s(B) / "
@@ -639,6 +651,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join-group", type=int, default=1,
                    help="admission: waiting requests join once this many slots are free, in one joint "
                         "prefill (default 1: each as soon as a slot frees)")
+    p.add_argument("--prefill", choices=("overlap", "stall"), default=None,
+                   help="joining requests: prefill beside the rounds of the requests in flight on a low-priority "
+                        "stream (overlap, the default on CUDA) or while they wait (stall)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
     p.add_argument("--tp", type=int, default=1,
@@ -687,7 +702,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
                           not args.no_synthetic_acceptance, not args.no_graphs, args.sampler,
-                          args.join_group)
+                          args.join_group, None if args.prefill is None else args.prefill == "overlap")
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")

@@ -56,12 +56,13 @@ streams and deadlock the next collective. The cost is one tiny collective each, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -87,7 +88,7 @@ __all__ = [
 
 Tensor = torch.Tensor
 DraftOutput = Tensor | tuple[Tensor, Tensor | None]
-PHASES = ("draft", "target", "sample", "host")
+PHASES = ("draft", "target", "sample", "host", "prefill")  # prefill: queuing overlapped prefill layers
 MAX_GRAPH_BATCH = 8  # CUDA graphs are captured for B = 1..8
 log = logging.getLogger("dflashgen")
 
@@ -262,7 +263,9 @@ class Stats:
     num_draft: int = 0
     synthetic_acceptance: bool = False  # sampled rows' accept/reject decided by the drafter (benchmark only)
     rounds: list[RoundStats] = field(default_factory=list)
-    prefill_ms: list[float] = field(default_factory=list)
+    prefill_ms: list[float] = field(default_factory=list)  # prefills the requests in flight waited for
+    # prefills run beside the rounds (overlap_prefill): device time from first layer queued to done
+    overlapped_prefill_ms: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -279,6 +282,8 @@ class Stats:
             "mean_acceptance_length": statistics.fmean(acc) + 1 if acc else 0.0,
             "mean_batch": statistics.fmean(r.batch for r in self.rounds) if self.rounds else 0.0,
             "prefill_ms_total": sum(self.prefill_ms),
+            "overlapped_prefill_ms_total": sum(self.overlapped_prefill_ms),
+            "overlapped_prefills": len(self.overlapped_prefill_ms),
             "wall_s": self.wall_s,
             "tokens_per_s": emitted / self.wall_s if self.wall_s > 0 else 0.0,
         }
@@ -290,15 +295,19 @@ class Stats:
 
 class _Timer:
     """Phase timer: CUDA events on a CUDA device (read after one synchronize per round), else
-    perf_counter. ``host`` is always wall-clock (Python bookkeeping)."""
+    perf_counter. ``host`` and ``prefill`` (queuing an overlapped prefill's layers) are always
+    wall-clock (Python work). ``last``: the event that ended the last device phase (None on CPU)."""
+
+    HOST = ("host", "prefill")
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.ms: dict[str, float] = {}
         self._events: list[tuple[str, Any, Any]] = []
+        self.last: Any = None
 
     def start(self, phase: str) -> Any:
-        if self.cuda and phase != "host":
+        if self.cuda and phase not in self.HOST:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
@@ -311,6 +320,7 @@ class _Timer:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._events.append((phase, t0, ev))
+            self.last = ev
 
     def flush(self) -> dict[str, float]:
         if self._events:
@@ -319,6 +329,86 @@ class _Timer:
                 self.ms[phase] = self.ms.get(phase, 0.0) + a.elapsed_time(b)
         ms, self.ms, self._events = self.ms, {}, []
         return ms
+
+
+# --------------------------------------------------------------------------- overlapped prefill
+
+
+@dataclass
+class _Loading:
+    """A joining request's prefill queued layer by layer beside the rounds (``overlap_prefill``)."""
+
+    joins: list[int]  # the slots it fills
+    reqs: list[_Request]
+    steps: Generator[int, None, Callable[[], None]] | None  # the target forward; None once all is queued
+    finish: Callable[[], None] | None = None  # copies into the slots (the round stream)
+    start: Any = None  # CUDA events on the side stream around its device work (None on CPU)
+    done: Any = None
+
+
+class _Overlap:
+    """Overlapped prefill: the rounds run on a high-priority stream, queued prefills on a low-priority
+    side stream (so the GPU serves a round's kernels first and fills the gaps with prefill work); on
+    CPU no streams, the layers just interleave with the rounds. ``retired``: activated prefills whose
+    scratch state the round stream may still be copying (dropped after the round's sync)."""
+
+    def __init__(self, device: torch.device, per_round: int | None) -> None:
+        self.cuda = device.type == "cuda"
+        self.per_round = per_round if per_round is not None or self.cuda else 4
+        # lower number = higher priority; out-of-range values map to the device's extremes
+        self.rounds = torch.cuda.Stream(device, priority=-8) if self.cuda else None
+        self.side = torch.cuda.Stream(device, priority=0) if self.cuda else None
+        self.queue: deque[_Loading] = deque()
+        self.retired: list[_Loading] = []
+
+    def reserved(self) -> set[int]:
+        return {s for job in self.queue for s in job.joins}
+
+    def add(self, joins: list[int], reqs: list[_Request], steps: Generator[int, None, Callable[[], None]]) -> None:
+        self.queue.append(_Loading(joins, reqs, steps))
+
+    def _queue_layer(self, job: _Loading) -> None:
+        assert job.steps is not None
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+            if self.cuda and job.start is None:
+                job.start = torch.cuda.Event(enable_timing=True)
+                job.start.record()
+            try:
+                next(job.steps)
+            except StopIteration as fin:
+                job.finish, job.steps = fin.value, None
+                if self.cuda:
+                    job.done = torch.cuda.Event(enable_timing=True)
+                    job.done.record()
+
+    def pump(self, round_done: Any) -> None:
+        """Queue prefill layers in admission order: ``per_round`` of them, or (None) at least one and
+        more while the round's device work (``round_done``, an event) is still running."""
+        n = 0
+        for job in self.queue:
+            while job.steps is not None:
+                if n and (n >= self.per_round if self.per_round is not None
+                          else round_done is None or round_done.query()):
+                    return
+                self._queue_layer(job)
+                n += 1
+
+    def ready(self, block: bool) -> list[_Loading]:
+        """Queued prefills whose device work is done, in admission order, with the current (round)
+        stream ordered after them. ``block`` (no request in flight): queue what is left and wait."""
+        out: list[_Loading] = []
+        while self.queue:
+            job = self.queue[0]
+            while block and job.steps is not None:
+                self._queue_layer(job)
+            if job.steps is not None or (self.cuda and not block and not job.done.query()):
+                break
+            if self.cuda:
+                if block:
+                    job.done.synchronize()
+                torch.cuda.current_stream().wait_event(job.done)
+            out.append(self.queue.popleft())
+        return out
 
 
 # --------------------------------------------------------------------------- decoder
@@ -347,7 +437,8 @@ class SpecDecoder:
 
     def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
                  *, state: DecodeState | None = None, graphs: bool | None = None,
-                 sampler: str | None = None, join_group: int = 1) -> None:
+                 sampler: str | None = None, join_group: int = 1, overlap_prefill: bool | None = None,
+                 prefill_layers_per_round: int | None = None) -> None:
         """graphs: run the verify forward and the rollback as CUDA graphs captured per batch size
         1..max_batch (default: on a CUDA target without tensor parallelism); False runs the same
         steps eagerly (bitwise-identical). sampler: "compact" (the generated fused rejection-sampling
@@ -357,13 +448,25 @@ class SpecDecoder:
         joint prefill); an empty batch always admits. 1 (default) admits each request as soon as a
         slot frees. Every prefill stalls the requests in flight, and a joint prefill of k prompts
         costs far less than k single ones, so a larger group trades a few rounds of idle slots for
-        fewer stalls."""
+        fewer stalls.
+        overlap_prefill: while requests are in flight, a joining request's prefill is queued on a
+        low-priority side stream, layer by layer between rounds, and the request enters the batch at
+        the first round after its prefill completed; the requests in flight keep decoding instead of
+        waiting (the rounds run on a high-priority stream, so the GPU serves them first and fills the
+        gaps with prefill work). The same operations in the same order, so the same bits. Default: on
+        a CUDA target without tensor parallelism. On CPU (True) the layers interleave with the rounds
+        without concurrency, which exercises the same bookkeeping.
+        prefill_layers_per_round: with overlap, layers queued per round; None: on CUDA, as many as the
+        round's target forward leaves host time for (at least one), on CPU 4."""
         if max_batch < 1 or max_len < 2 or num_draft < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
                              f"{num_draft}")
         if isinstance(join_group, bool) or not isinstance(join_group, int) or not 1 <= join_group <= max_batch:
             raise ValueError(f"join_group must be an integer in 1..max_batch={max_batch}, got {join_group!r}")
         self.join_group = join_group
+        if prefill_layers_per_round is not None and (isinstance(prefill_layers_per_round, bool) or not isinstance(
+                prefill_layers_per_round, int) or prefill_layers_per_round < 1):
+            raise ValueError(f"prefill_layers_per_round must be an integer >= 1, got {prefill_layers_per_round!r}")
         if getattr(drafter, "num_draft", num_draft) != num_draft:
             raise ValueError(f"drafter proposes {drafter.num_draft} tokens, the decoder verifies {num_draft}")
         need = max_len + num_draft  # verify overshoot, rolled back (module docstring)
@@ -393,6 +496,12 @@ class SpecDecoder:
         if sampler not in ("compact", "dense"):
             raise ValueError(f"sampler must be 'compact' or 'dense', got {sampler!r}")
         self.sampler = sampler
+        if overlap_prefill is None:
+            overlap_prefill = cuda and self.tp_group is None
+        if overlap_prefill and self.tp_group is not None:
+            raise ValueError("overlap_prefill needs a target without tensor parallelism (its collectives "
+                             "would run on two streams)")
+        self.overlap = _Overlap(target.device, prefill_layers_per_round) if overlap_prefill else None
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft, self.synthetic_acceptance)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
@@ -444,6 +553,31 @@ class SpecDecoder:
         """Generated tokens per request (EOS included when hit). Invalid requests: ``strict`` raises a
         ValueError naming each before any work; ``strict=False`` skips them (empty output, reason
         in ``self.errors``) and decodes the rest. Stats of the call are in ``self.stats``."""
+        with self._round_stream():
+            return self._generate(prompts, params, max_new_tokens, eos, seed, strict)
+
+    @contextlib.contextmanager
+    def _round_stream(self) -> Iterator[None]:
+        """With overlapped prefill on CUDA: the rounds on the high-priority stream (ordered after the
+        caller's stream, and the caller's after them on the way out, prefills included)."""
+        ov = self.overlap
+        if ov is None or ov.side is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.target.device)
+        ov.rounds.wait_stream(caller)
+        try:
+            with torch.cuda.stream(ov.rounds):
+                yield
+        finally:
+            ov.queue.clear()  # a failed call leaves nothing queued for the next
+            caller.wait_stream(ov.rounds)
+            caller.wait_stream(ov.side)
+            ov.rounds.synchronize()  # the retired prefills' buffers are read until here
+            ov.retired.clear()
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams | dict] | SamplingParams,
+                  max_new_tokens: Sequence[int] | int, eos: int | None, seed: int, strict: bool) -> list[list[int]]:
         reqs, errors = self._validate(prompts, params, max_new_tokens)
         if errors and strict:
             raise ValueError("; ".join(errors.values()))
@@ -462,12 +596,14 @@ class SpecDecoder:
         out: dict[int, list[int]] = {}
         t_start = time.perf_counter()
         greedy_pad = SamplingParams(temperature=0.0)
-        while queue or any(r is not None for r in slots):
+        ov = self.overlap
+        while queue or any(r is not None for r in slots) or (ov is not None and ov.queue):
             joins = []
-            free = sum(r is None for r in slots[:self.max_batch])
+            loading = ov.reserved() if ov is not None else set()
+            free = sum(slots[s] is None and s not in loading for s in range(self.max_batch))
             admit = bool(queue) and (free == self.max_batch or free >= min(self.join_group, len(queue)))
             for s in range(self.max_batch):
-                if admit and slots[s] is None and queue:
+                if admit and slots[s] is None and s not in loading and queue:
                     slots[s] = queue.popleft()
                     st.reset(s)
                     joins.append(s)
@@ -477,7 +613,15 @@ class SpecDecoder:
                     if self.observer is not None:
                         self.observer("admit", slots[s].rid, 0)  # type: ignore[union-attr]
             if joins:
-                self._prefill(slots, joins)
+                if ov is not None and any(slots[s] is not None for s in range(st.batch) if s not in joins):
+                    self._begin_prefill(slots, joins)  # the requests in flight keep decoding
+                else:
+                    self._prefill(slots, joins)
+            if ov is not None and ov.queue:
+                for job in ov.ready(block=not any(r is not None for r in slots)):
+                    self._activate(slots, job)
+                if not any(r is not None for r in slots):
+                    continue
 
             timer = _Timer(dev)
             t0 = timer.start("host")
@@ -527,12 +671,18 @@ class SpecDecoder:
             t0 = timer.start("target")
             logits, hidden = self.steps.verify(b, tokens)
             timer.stop("target", t0)
+            if ov is not None and ov.queue:  # queue prefill layers while the target forward runs
+                t0 = timer.start("prefill")
+                ov.pump(timer.last)
+                timer.stop("prefill", t0)
 
             t0 = timer.start("sample")
             res = self._verify(draft_dev, logits, row_params, u, q_all, forced)
             # TP: rank 0's verify outcome decides on every rank (module docstring).
             outcome = broadcast_from_first(torch.cat([res.accepted[:, None], res.tokens], dim=1), self.tp_group)
             accepted_t, tokens_t = outcome[:, 0].cpu(), outcome[:, 1:].cpu()
+            if ov is not None:
+                ov.retired.clear()  # the round stream is past their copies (synchronised just above)
             # Keep the pending token + the accepted drafts; the new token becomes pending.
             keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + accepted_t, 0)
             self.steps.rollback(b, to_device(base + keep, dev))
@@ -595,46 +745,84 @@ class SpecDecoder:
         return verify(drafts, logits, params, u, q, accept_override=forced)
 
     def _prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
-        """Feed ``prompt[:-1]`` of the joining requests (right-padded, ``num_new``) in a scratch state
-        and copy their caches into their slots: the in-flight requests are untouched and need no
-        headroom for the prompt chunk. A batch-invariant target (``target.batch_invariant``) prefills
-        each request alone instead, unpadded: the prefill's chunk-form GDN and conv round per
-        (batch, length) shape, and :func:`plain_greedy` prefills at B=1, so this is what makes a
-        request's tokens independent of who joins with it."""
+        """Prefill the joining requests now (the requests in flight, if any, wait). A batch-invariant
+        target (``target.batch_invariant``) prefills each request alone, unpadded: the prefill's
+        chunk-form GDN and conv round per (batch, length) shape, and :func:`plain_greedy` prefills at
+        B=1, so this is what makes a request's tokens independent of who joins with it."""
         if getattr(self.target, "batch_invariant", False) and len(joins) > 1:
             for s in joins:
                 self._prefill(slots, [s])
             return
-        reqs = [slots[s] for s in joins]
-        lens = [len(r.tokens) - 1 for r in reqs if r is not None]
+        timer = _Timer(self.target.device)
+        t0 = timer.start("prefill_gpu")
+        steps = self._prefill_steps([slots[s] for s in joins], joins)  # type: ignore[misc]
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                done.value()
+                break
+        timer.stop("prefill_gpu", t0)
+        self.stats.prefill_ms.append(timer.flush()["prefill_gpu"])
+
+    def _begin_prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
+        """Queue the joining requests' prefill beside the rounds (``overlap_prefill``): their slots
+        stay out of the batch until :meth:`_activate`."""
+        assert self.overlap is not None
+        groups = [[s] for s in joins] if getattr(self.target, "batch_invariant", False) else [joins]
+        for g in groups:
+            reqs = [slots[s] for s in g]
+            self.overlap.add(g, reqs, self._prefill_steps(reqs, g))  # type: ignore[arg-type]
+            for s in g:
+                slots[s] = None
+
+    def _activate(self, slots: list[_Request | None], job: _Loading) -> None:
+        """A queued prefill whose device work is done (the round stream waits for it): copy its
+        caches into the slots (on the round stream), and its requests join the next round."""
+        assert job.finish is not None
+        job.finish()
+        for s, r in zip(job.joins, job.reqs, strict=True):
+            slots[s] = r
+        if job.start is not None:
+            self.stats.overlapped_prefill_ms.append(job.start.elapsed_time(job.done))
+        else:
+            self.stats.overlapped_prefill_ms.append(0.0)
+        assert self.overlap is not None
+        self.overlap.retired.append(job)
+
+    def _prefill_steps(self, reqs: list[_Request], joins: list[int]) -> Generator[int, None, Callable[[], None]]:
+        """Feed ``prompt[:-1]`` of ``reqs`` (right-padded, ``num_new``) into a scratch state, one
+        target layer per ``next()``; returns ``finish``, which copies the caches into the slots
+        ``joins`` and shows the drafter the prompt's taps. The in-flight requests are untouched and
+        need no headroom for the prompt chunk. Lengths are known on the host, so the forward runs
+        unchecked (no host sync, which would wait for whatever the prefill's stream has queued)."""
+        lens = [len(r.tokens) - 1 for r in reqs]
         t = max(lens)
         td = self.tap_drafter
-        if t == 0:
-            for r in reqs:  # an empty context (also clears any stale one under the same rid)
-                if td is not None and r is not None:
-                    td.observe(r.rid, 0, torch.empty(0, 0, device=self.target.device))
-            return  # all 1-token prompts: the pending token is the whole prompt
-        timer = _Timer(self.target.device)
-        t0 = timer.start("prefill")
+        if t == 0:  # all 1-token prompts: the pending token is the whole prompt
+            def clear() -> None:
+                for r in reqs:  # an empty context (also clears any stale one under the same rid)
+                    if td is not None:
+                        td.observe(r.rid, 0, torch.empty(0, 0, device=self.target.device))
+            return clear
         dev = self.target.device
-        pad = torch.zeros(len(joins), t, dtype=torch.long)
+        pad = torch.zeros(len(reqs), t, dtype=torch.long)
         for j, r in enumerate(reqs):
-            assert r is not None
             pad[j, :lens[j]] = torch.tensor(r.tokens[:-1])
-        tmp = self.target.new_state(len(joins), t)
+        tmp = self.target.new_state(len(reqs), t)
         n_new = torch.tensor(lens, device=dev)
-        if td is not None:
-            _, hidden = self.target(pad.to(dev), tmp, num_new=n_new, taps=td.taps, logits=False)
-            fused = _fuse(hidden, td.taps)
-            for j, r in enumerate(reqs):
-                assert r is not None
-                td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
-        else:
-            self.target(pad.to(dev), tmp, num_new=n_new, logits=False)  # the state is what prefill is for
-        for j, s in enumerate(joins):
-            _copy_request(self.state, s, tmp, j, lens[j])
-        timer.stop("prefill", t0)
-        self.stats.prefill_ms.append(timer.flush()["prefill"])
+        taps = td.taps if td is not None else None
+        _, hidden = yield from self.target.forward_steps(pad.to(dev), tmp, num_new=n_new, taps=taps or (),
+                                                         check=False, logits=False)
+        fused = _fuse(hidden, td.taps) if td is not None else None
+
+        def finish() -> None:
+            if td is not None and fused is not None:
+                for j, r in enumerate(reqs):
+                    td.observe(r.rid, 0, fused[j, :lens[j]])  # prefill taps count as prefill time
+            for j, s in enumerate(joins):
+                _copy_request(self.state, s, tmp, j, lens[j])
+        return finish
 
 
 def _copy_request(dst: DecodeState, slot: int, src: DecodeState, j: int, n: int) -> None:

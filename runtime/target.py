@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -511,7 +511,6 @@ class TargetModel(torch.nn.Module):
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
                 taps: Sequence[int], check: bool = True, logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]: ...
 
-    @torch.no_grad()
     def forward(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
                 taps: Sequence[int] | None = None, check: bool = True,
                 logits: bool = True) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
@@ -527,6 +526,22 @@ class TargetModel(torch.nn.Module):
         logits: False skips the final norm and the lm_head (an empty ``[B, T, 0]`` tensor is returned):
         prefill only needs the state (and taps), not ``B x T x V`` logits.
         """
+        steps = self.forward_steps(tokens, state, num_new, taps=taps, check=check, logits=logits)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.no_grad()
+    def forward_steps(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
+                      taps: Sequence[int] | None = None, check: bool = True, logits: bool = True,
+                      ) -> Generator[int, None, Tensor | tuple[Tensor, dict[int, Tensor]]]:
+        """:meth:`forward` one decoder layer at a time: yields each layer's index once its work is
+        queued and returns what ``forward`` returns. The same operations in the same order, so the
+        same bits; a caller can interleave other work between layers (SpecDecoder queues a joining
+        request's prefill on a side stream a few layers per round). The state is complete only once
+        the generator returns."""
         tap_set = set(taps) if taps is not None else set()
         if bad := sorted(i for i in tap_set if not 0 <= i < self.cfg.num_hidden_layers):
             raise ValueError(f"taps {bad} outside layers [0, {self.cfg.num_hidden_layers})")
@@ -561,6 +576,7 @@ class TargetModel(torch.nn.Module):
             h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
             if i in tap_set:
                 tapped[i] = h
+            yield i
         out = (self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps)) if logits
                else h.new_empty(b, t, 0))
 

@@ -142,6 +142,68 @@ def test_join_group_admits_waiting_requests_together(model: TargetModel, oracle:
         SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=MAX_LEN, join_group=5)
 
 
+@pytest.mark.parametrize("per_round", [1, 3, None])
+def test_overlapped_prefill_gives_the_same_tokens(model: TargetModel, oracle: list[list[int]],
+                                                  per_round: int | None) -> None:
+    """overlap_prefill on CPU (no streams: the layers interleave with the rounds): a joining request
+    stays out of the batch until its prefill's layers are all queued, the requests in flight keep
+    decoding meanwhile, and every token is what the stalling prefill gives -- greedy, sampled with
+    seeds, and with the drafter conditioned on the prompt's taps (replay over a static-slot drafter)."""
+    prompts = [PROMPTS[1 + i % 3] for i in range(7)]  # > 1 token: every admission prefills
+    max_new = [2, 14, 5, 9, 14, 3, 11]
+    cont = [oracle[1 + i % 3] for i in range(7)]
+    sampled = [SamplingParams(temperature=0.9, top_k=30, seed=5 + i) for i in range(7)]
+    for params in (GREEDY, sampled):
+        out = {}
+        for overlap in (False, True):
+            admitted: dict[int, int] = {}  # request -> rounds run before its admission
+            dec = SpecDecoder(model, ReplayDrafter(cont, 0.6, seed=1), max_batch=3, max_len=MAX_LEN,
+                              overlap_prefill=overlap, prefill_layers_per_round=per_round if overlap else None)
+            dec.observer = lambda ev, rid, n, dec=dec, admitted=admitted: (
+                admitted.setdefault(rid, len(dec.stats.rounds)) if ev == "admit" else None)
+            out[overlap] = dec.generate(prompts, params, max_new, seed=2)
+            s = dec.stats.summary()
+            assert dec.state.lengths.tolist() == [0, 0, 0]
+            if not overlap:
+                assert s["overlapped_prefills"] == 0
+                continue
+            # the first three join an empty batch (nothing to overlap, one stalling prefill); later
+            # joiners overlap while others are in flight
+            assert s["overlapped_prefills"] >= 2 and s["overlapped_prefills"] + len(dec.stats.prefill_ms) <= 7
+            assert s["median_prefill_ms"] > 0
+            # an overlapped joiner runs its first round >= ceil(layers / per_round) rounds after admission
+            first = {rid: min(i for i, r in enumerate(dec.stats.rounds) if rid in r.rids) for rid in admitted}
+            waited = [first[rid] - admitted[rid] for rid in range(3, 7)]
+            assert max(waited) >= -(-CFG.num_hidden_layers // (per_round or 4)) > 0, waited
+        assert out[True] == out[False]
+        if params is GREEDY:
+            assert out[True] == [c[:m] for c, m in zip(cont, max_new, strict=True)]
+    with pytest.raises(ValueError, match="prefill_layers_per_round must be an integer >= 1"):
+        SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, overlap_prefill=True,
+                    prefill_layers_per_round=0)
+
+
+def test_overlapped_prefill_with_a_tap_drafter(model: TargetModel) -> None:
+    """A static-slot DFlash drafter (eager on CPU) sees each overlapped joiner's prompt taps only when
+    it joins: greedy output equals plain decoding and the drafts accepted equal the stalling run's."""
+    from dflashgen.runtime.decode_bench import _block_drafter
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [PROMPTS[1 + i % 3] for i in range(5)]
+    max_new = [2, 12, 5, 9, 3]  # staggered finishes: joins while the other request decodes
+    runs = []
+    for overlap in (False, True):
+        static = StaticDFlashDrafter(_block_drafter(model, 0), max_batch=2, max_len=MAX_LEN)
+        dec = SpecDecoder(model, static, max_batch=2, max_len=MAX_LEN, num_draft=static.num_draft,
+                          overlap_prefill=overlap, prefill_layers_per_round=1)
+        runs.append((dec.generate(prompts, GREEDY, max_new), sorted((r.rids[i], a) for r in dec.stats.rounds
+                                                                     for i, a in enumerate(r.accepted))))
+        assert not static.slot_of
+        assert (dec.stats.summary()["overlapped_prefills"] > 0) == overlap
+    assert runs[0] == runs[1]
+    assert runs[0][0] == [plain_greedy(model, p, m) for p, m in zip(prompts, max_new, strict=True)]
+
+
 def test_decoder_is_reusable_and_sampling_runs(model: TargetModel) -> None:
     dec = SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11), SamplingParams(temperature=1.0)]
