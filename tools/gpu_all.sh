@@ -6,8 +6,11 @@
 #   PART=B ...                             # every GPU test (TP2 over NCCL when 2 GPUs) on that table,
 #                                          # overhead, attn-bench
 #   PART=C ...                             # a prefill profile and the decode-loop endpoint
-#                                          # benchmark on that table (JOIN_AB=k: also B4 / B8 admitted
-#                                          # in groups of k, the session-5 admission A/B)
+#                                          # benchmark on that table. Options: TESTS="tests/..." runs
+#                                          # those GPU tests first (the bench only if they pass);
+#                                          # AB="decode-bench args" also runs B4 / B8 with them (e.g.
+#                                          # AB="--prefill stall", AB="--join-group 2"); NCU="kernel@M ..."
+#                                          # profiles GEMM kernels (tools/ncu_kernel.py)
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -32,16 +35,21 @@ C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
+  if [ -n "${TESTS:-}" ]; then
+    echo "== pytest -m gpu $TESTS"
+    timeout 240 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
+    rc=$?; tail -3 "$R/pytest-gpu.log"; [ $rc = 0 ] || exit $rc
+  fi
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
   CK=$(mktemp -d)/ckpt
   timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40
   echo "== prefill profile"; timeout 90 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
   head -1 "$R/decode/profile-prefill.txt"
-  if [ -n "${JOIN_AB:-}" ]; then  # the admission A/B (session 5): B4 / B8 in groups of JOIN_AB vs at once
-    mkdir -p "$R/decode-join"
-    echo "== decode-bench --join-group $JOIN_AB (B4, B8)"
-    timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 --join-group "$JOIN_AB" \
-      --out "$R/decode-join" 2>&1 | tail -12
-  fi ;;
+  if [ -n "${AB:-}" ]; then
+    mkdir -p "$R/decode-ab"
+    echo "== decode-bench $AB (B4, B8)"
+    timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
+  fi
+  if [ -n "${NCU:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU"; fi ;;
 esac
