@@ -613,10 +613,13 @@ class SpecDecoder:
                     if self.observer is not None:
                         self.observer("admit", slots[s].rid, 0)  # type: ignore[union-attr]
             if joins:
-                if ov is not None and any(slots[s] is not None for s in range(st.batch) if s not in joins):
-                    self._begin_prefill(slots, joins)  # the requests in flight keep decoding
-                else:
+                if ov is None:
                     self._prefill(slots, joins)
+                else:  # the requests in flight keep decoding; into an empty batch the first joins now
+                    groups = self._prefill_groups(joins)
+                    if not any(slots[s] is not None for s in range(st.batch) if s not in joins):
+                        self._prefill(slots, groups.pop(0))
+                    self._begin_prefill(slots, groups)
             if ov is not None and ov.queue:
                 for job in ov.ready(block=not any(r is not None for r in slots)):
                     self._activate(slots, job)
@@ -749,9 +752,9 @@ class SpecDecoder:
         target (``target.batch_invariant``) prefills each request alone, unpadded: the prefill's
         chunk-form GDN and conv round per (batch, length) shape, and :func:`plain_greedy` prefills at
         B=1, so this is what makes a request's tokens independent of who joins with it."""
-        if getattr(self.target, "batch_invariant", False) and len(joins) > 1:
-            for s in joins:
-                self._prefill(slots, [s])
+        if len(groups := self._prefill_groups(joins)) > 1:
+            for g in groups:
+                self._prefill(slots, g)
             return
         timer = _Timer(self.target.device)
         t0 = timer.start("prefill_gpu")
@@ -765,11 +768,14 @@ class SpecDecoder:
         timer.stop("prefill_gpu", t0)
         self.stats.prefill_ms.append(timer.flush()["prefill_gpu"])
 
-    def _begin_prefill(self, slots: list[_Request | None], joins: list[int]) -> None:
-        """Queue the joining requests' prefill beside the rounds (``overlap_prefill``): their slots
-        stay out of the batch until :meth:`_activate`."""
+    def _prefill_groups(self, joins: list[int]) -> list[list[int]]:
+        """The joint prefills of ``joins``: one, or one per request for a batch-invariant target."""
+        return [[s] for s in joins] if getattr(self.target, "batch_invariant", False) else [joins]
+
+    def _begin_prefill(self, slots: list[_Request | None], groups: list[list[int]]) -> None:
+        """Queue joint prefills beside the rounds (``overlap_prefill``): their slots stay out of the
+        batch until :meth:`_activate`."""
         assert self.overlap is not None
-        groups = [[s] for s in joins] if getattr(self.target, "batch_invariant", False) else [joins]
         for g in groups:
             reqs = [slots[s] for s in g]
             self.overlap.add(g, reqs, self._prefill_steps(reqs, g))  # type: ignore[arg-type]

@@ -183,6 +183,24 @@ def test_overlapped_prefill_gives_the_same_tokens(model: TargetModel, oracle: li
                     prefill_layers_per_round=0)
 
 
+def test_overlapped_prefill_into_an_empty_batch(model: TargetModel, oracle: list[list[int]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-invariant target prefills joiners one at a time: into an empty batch the first joins
+    at once and the others prefill beside its rounds (same tokens as stalling for all of them)."""
+    monkeypatch.setattr(model, "batch_invariant", True, raising=False)
+    prompts = [PROMPTS[1 + i % 3] for i in range(4)]
+    cont = [oracle[1 + i % 3] for i in range(4)]
+    runs = []
+    for overlap in (False, True):
+        dec = SpecDecoder(model, ReplayDrafter(cont, 0.6, seed=1), max_batch=3, max_len=MAX_LEN,
+                          overlap_prefill=overlap, prefill_layers_per_round=1)
+        runs.append(dec.generate(prompts, GREEDY, N_NEW))
+        s = dec.stats.summary()
+        assert dec.stats.rounds[0].batch == (1 if overlap else 3)  # the first round: who is in the batch
+        assert s["overlapped_prefills"] >= (2 if overlap else 0) and len(dec.stats.prefill_ms) >= 1
+    assert runs[0] == runs[1] == [c[:N_NEW] for c in cont]
+
+
 def test_overlapped_prefill_with_a_tap_drafter(model: TargetModel) -> None:
     """A static-slot DFlash drafter (eager on CPU) sees each overlapped joiner's prompt taps only when
     it joins: greedy output equals plain decoding and the drafts accepted equal the stalling run's."""

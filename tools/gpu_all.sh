@@ -9,7 +9,7 @@
 #                                          # benchmark on that table. Options: TESTS="tests/..." runs
 #                                          # those GPU tests first;
 #                                          # AB="decode-bench args" also runs B4 / B8 with them (e.g.
-#                                          # AB="--prefill stall", AB="--join-group 2"); NCU="kernel@M ..."
+#                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py)
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
@@ -51,5 +51,5 @@ C)
     echo "== decode-bench $AB (B4, B8)"
     timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
   fi
-  if [ -n "${NCU:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU"; fi ;;
+  if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
 esac
