@@ -280,6 +280,7 @@ class BenchConfig:
     sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
     join_group: int = 1  # SpecDecoder's admission group (join_group_for)
     overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (default on CUDA)
+    sampled_drafts: bool = False  # block drafter: sampled requests' drafts drawn with q (default: argmax, DFlash's)
 
     def join_group_for(self, b: int) -> int:
         """SpecDecoder's admission group at batch size b (capped at b). Default 1, each request as
@@ -365,9 +366,9 @@ def _make_drafter(cfg: BenchConfig, target: TargetModel, block: BlockDrafter | N
     static = None
     if target.device.type == "cuda" and getattr(target, "tp", 1) == 1:
         static = StaticDFlashDrafter(block, max_batch, max_len or cfg.prompt_len + cfg.output_len,
-                                     graphs=cfg.graphs, seed=cfg.seed)
+                                     graphs=cfg.graphs, seed=cfg.seed, sampled=cfg.sampled_drafts)
     if cfg.drafter == "dflash":
-        return static or DFlashDrafter(block, cfg.seed)
+        return static or DFlashDrafter(block, cfg.seed, sampled=cfg.sampled_drafts)
     assert continuations is not None
     d = ReplayDrafter(continuations, cfg.acceptance, NUM_DRAFT, seed=cfg.seed,
                       cost_model=static or block_drafter_cost(block, cfg.seed),
@@ -654,6 +655,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", choices=("overlap", "stall"), default=None,
                    help="joining requests: prefill beside the rounds of the requests in flight on a low-priority "
                         "stream (overlap, the default on CUDA) or while they wait (stall)")
+    p.add_argument("--sampled-drafts", action="store_true",
+                   help="block drafter: sampled requests draw their drafts from the drafter's distribution and "
+                        "verification uses it (q); default: argmax drafts, verified without draft probabilities "
+                        "(DFlash's practice; also the replay drafter's cost model)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default=None, help="write decode_bench.json + decode_bench.md here")
     p.add_argument("--tp", type=int, default=1,
@@ -702,7 +707,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(args.prompts, args.prompt_len, args.output_len, tuple(args.batches), args.drafter,
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
                           not args.no_synthetic_acceptance, not args.no_graphs, args.sampler,
-                          args.join_group, None if args.prefill is None else args.prefill == "overlap")
+                          args.join_group, None if args.prefill is None else args.prefill == "overlap",
+                          args.sampled_drafts)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")

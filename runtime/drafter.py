@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .host import tensor_on, to_device
-from .sampling import sample_categorical, target_probs
+from .sampling import SamplingParams, sample_categorical, target_probs
 from .spec_decode import RequestContext
 from .target import TargetModel
 
@@ -377,17 +377,19 @@ class DFlashDrafter:
     ``start`` (rollback), so positions are never duplicated. ``release(rid)`` drops a finished request.
 
     ``propose`` needs exactly ``len(tokens) - 1`` cached context positions per request (the pending
-    token is block position 0). Greedy requests get the argmax; sampled ones draw from the drafter's
-    distribution under the request's temperature / top-k / top-p, returned as q for verification.
+    token is block position 0). Drafts are the argmax (one-hot q, DFlash's practice); ``sampled=True``:
+    sampled requests draw from the drafter's distribution under their temperature / top-k / top-p,
+    returned as q for verification with draft probabilities.
     """
 
     needs_taps = True
 
-    def __init__(self, model: BlockDrafter, seed: int = 0) -> None:
+    def __init__(self, model: BlockDrafter, seed: int = 0, *, sampled: bool = False) -> None:
         self.model = model
         self.num_draft = model.cfg.num_draft
         self.taps: tuple[int, ...] = model.cfg.target_layers
-        self.label = f"dflash2 block drafter (block {model.cfg.block_size})"
+        self.sampled = sampled
+        self.label = f"dflash2 block drafter (block {model.cfg.block_size}{_draft_kind(sampled)})"
         self.gen = torch.Generator().manual_seed(seed)  # draft sampling only: losslessness never depends on it
         self._cache: dict[int, _ContextCache] = {}
 
@@ -433,18 +435,7 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
-        logits = self.draft_logits(contexts)
-        dev = logits.device
-        params = [c.params for c in contexts]
-        tokens = logits.argmax(-1)
-        if all(p.greedy for p in params):
-            return tokens, None  # verification ignores q for greedy requests
-        q = target_probs(logits, params)  # greedy rows: one-hot (ignored)
-        b, d, v = q.shape
-        u = to_device(torch.rand(b * d, generator=self.gen), dev)
-        sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
-        greedy = tensor_on([p.greedy for p in params], dev)
-        return torch.where(greedy[:, None], tokens, sampled), q
+        return _drafts(self.draft_logits(contexts), [c.params for c in contexts], self.gen, self.sampled)
 
 
 def block_drafter_cost(drafter: BlockDrafter | DFlashDrafter, seed: int = 0,
@@ -491,11 +482,12 @@ class StaticDFlashDrafter:
     needs_taps = True
 
     def __init__(self, model: BlockDrafter, max_batch: int, max_len: int, positions: int | None = None, *,
-                 graphs: bool | None = None, seed: int = 0) -> None:
+                 graphs: bool | None = None, seed: int = 0, sampled: bool = False) -> None:
         cfg = model.cfg
         self.model, self.num_draft, self.taps = model, cfg.num_draft, cfg.target_layers
         self.positions = positions or cfg.block_size  # verify positions staged per round
-        self.label = f"dflash2 block drafter (block {cfg.block_size}, static slots)"
+        self.sampled = sampled  # sampled requests' drafts drawn from the drafter (q returned); else argmax
+        self.label = f"dflash2 block drafter (block {cfg.block_size}, static slots{_draft_kind(sampled)})"
         self.max_batch, self.capacity = max_batch, max_len + self.positions
         dev = model.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
@@ -615,13 +607,26 @@ class StaticDFlashDrafter:
     def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
         logits, slots = self.draft_logits(contexts)
         logits = logits[torch.tensor(slots, device=logits.device)]
-        params = [c.params for c in contexts]
-        tokens = logits.argmax(-1)
-        if all(p.greedy for p in params):
-            return tokens, None  # verification ignores q for greedy requests
-        q = target_probs(logits, params)
-        b, d, v = q.shape
-        u = to_device(torch.rand(b * d, generator=self.gen), logits.device)
-        sampled = sample_categorical(q.reshape(b * d, v), u).view(b, d)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(greedy[:, None], tokens, sampled), q
+        return _drafts(logits, [c.params for c in contexts], self.gen, self.sampled)
+
+
+def _draft_kind(sampled: bool) -> str:
+    return ", sampled drafts with q" if sampled else ""
+
+
+def _drafts(logits: Tensor, params: list[SamplingParams], gen: torch.Generator, sampled: bool,
+            ) -> tuple[Tensor, Tensor | None]:
+    """Drafts from drafter logits ``[B, D, V]``: the argmax, verified without draft probabilities (q
+    one-hot: DFlash's own practice). ``sampled``: sampled requests' drafts are drawn from the
+    drafter's distribution under their temperature / top-k / top-p, returned as q for verification
+    with draft probabilities (full-vocabulary work per draft position: ~1 ms per round at B8 with
+    Qwen3.8's 248K vocabulary); greedy requests keep the argmax."""
+    tokens = logits.argmax(-1)
+    if not sampled or all(p.greedy for p in params):
+        return tokens, None  # verification ignores q for greedy requests
+    q = target_probs(logits, params)  # greedy rows: one-hot (ignored)
+    b, d, v = q.shape
+    u = to_device(torch.rand(b * d, generator=gen), logits.device)
+    draws = sample_categorical(q.reshape(b * d, v), u).view(b, d)
+    greedy = tensor_on([p.greedy for p in params], logits.device)
+    return torch.where(greedy[:, None], tokens, draws), q

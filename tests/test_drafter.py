@@ -178,8 +178,19 @@ def test_greedy_with_dflash_drafter_is_lossless(model: TargetModel, block: Block
     assert dec.stats.summary()["drafter"].startswith("dflash2")
 
 
-def test_sampled_drafts_return_probs_and_decode(model: TargetModel, block: BlockDrafter) -> None:
+def test_drafts_are_the_argmax_unless_sampled(model: TargetModel, block: BlockDrafter) -> None:
+    """Default (DFlash's practice): argmax drafts for sampled requests too, no q (verification
+    without draft probabilities); the label says which."""
     d = DFlashDrafter(block, seed=1)
+    d.observe(3, 0, _taps(model, PROMPTS[2][:-1]))
+    sp = SamplingParams(temperature=0.8, top_k=20)
+    toks, q = d.propose([_ctx(PROMPTS[2], 3, sp), _ctx(PROMPTS[2], 3, GREEDY)])
+    assert q is None and torch.equal(toks, d.draft_logits([_ctx(PROMPTS[2], 3)] * 2).argmax(-1))
+    assert "sampled" not in d.label and "sampled drafts" in DFlashDrafter(block, sampled=True).label
+
+
+def test_sampled_drafts_return_probs_and_decode(model: TargetModel, block: BlockDrafter) -> None:
+    d = DFlashDrafter(block, seed=1, sampled=True)
     h = _taps(model, PROMPTS[2][:-1])
     d.observe(3, 0, h)
     sp = SamplingParams(temperature=0.8, top_k=20)
@@ -189,7 +200,7 @@ def test_sampled_drafts_return_probs_and_decode(model: TargetModel, block: Block
     assert bool((q[0].gather(-1, toks[0, :, None]) > 0).all())  # sampled from q
     assert torch.equal(toks[1], d.draft_logits([_ctx(PROMPTS[2], 3)])[0].argmax(-1))
 
-    dec = SpecDecoder(model, DFlashDrafter(block, seed=2), max_batch=2, max_len=MAX_LEN)
+    dec = SpecDecoder(model, DFlashDrafter(block, seed=2, sampled=True), max_batch=2, max_len=MAX_LEN)
     out = dec.generate(PROMPTS, [sp, SamplingParams(temperature=1.0, seed=9), GREEDY], N_NEW, seed=4)
     assert [len(o) for o in out] == [N_NEW] * 3
     assert all(0 <= t < CFG.vocab_size for o in out for t in o)

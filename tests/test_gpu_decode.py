@@ -204,8 +204,8 @@ def test_overlapped_prefill_equals_stalling(target) -> None:
     """Joiners prefilled on the low-priority side stream beside the rounds (CUDA graphs) give the
     tokens of the stalling prefill, bit for bit: greedy requests with the static-slot DFlash drafter
     (prompt taps observed when a joiner enters), and seeded sampled requests with the n-gram drafter.
-    (Sampled requests under the static drafter are not compared: its draft sampling draws one batch of
-    uniforms per round, so their drafts depend on who is in the batch, which overlap changes.)"""
+    (Not sampled requests with ``sampled=True`` drafts: those draw one batch of uniforms per round, so
+    their drafts depend on who is in the batch, which overlap changes.)"""
     from dflashgen.runtime.decode_bench import _block_drafter
     from dflashgen.runtime.drafter import StaticDFlashDrafter
     from dflashgen.runtime.sampling import SamplingParams
