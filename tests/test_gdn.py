@@ -324,14 +324,14 @@ def test_invariant_target_prefills_each_request_alone(model: TargetModel, monkey
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (9, 1, 20, 4)]
     oracle = [plain_greedy(model, p, 10) for p in prompts]
     shapes: list[tuple[int, ...]] = []
-    real = TargetModel.forward
+    real = TargetModel.forward_steps  # what a prefill runs (SpecDecoder._prefill_steps)
 
     def spy(self: TargetModel, tokens: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
         if kwargs.get("logits") is False:
             shapes.append(tuple(tokens.shape))
         return real(self, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(TargetModel, "forward", spy)
+    monkeypatch.setattr(TargetModel, "forward_steps", spy)
     assert model.batch_invariant is False
     out = SpecDecoder(model, NgramDrafter(), max_batch=4, max_len=48).generate(prompts, SamplingParams(0.0), 10)
     assert out == oracle and shapes == [(4, 19)]  # one right-padded batch
