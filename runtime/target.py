@@ -60,7 +60,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
-from .library import KernelLibrary
+from .library import KernelLibrary, silu_mul
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -497,8 +497,13 @@ class TargetModel(torch.nn.Module):
         max_len = -(-max_len // DENSE_PAGE) * DENSE_PAGE
         return DecodeState(self.cfg, batch, max_len, self.device, kv, tp=self.tp)
 
+    def _proj(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
+        """mod(x) in ``act_dtype``, as the projection returns it: for consumers that upcast it exactly
+        themselves (another projection, a promoting add / cat / multiply) -- no FP32 copy in memory."""
+        return mod(x.to(self.act_dtype))
+
     def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
-        return mod(x.to(self.act_dtype)).float()
+        return self._proj(mod, x).float()
 
     def _p(self, i: int, name: str) -> torch.nn.Module:
         return self.proj[i][name]  # type: ignore[index]
@@ -573,12 +578,14 @@ class TargetModel(torch.nn.Module):
         return out if taps is None else (out, {i: tapped[i] for i in taps})
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
+        """down(SiLU(gate) * up) in ``act_dtype`` (the residual add upcasts it exactly). SiLU(gate) * up
+        is computed in FP32 and rounded once to ``act_dtype``, the down projection's input (fused
+        epilogue or :func:`~.library.silu_mul`): never an FP32 [T, I] copy in memory."""
         gu = self._p(i, "gate_up_proj")
-        y = self._lin(gu, x)
+        y = self._proj(gu, x)
         if not getattr(_inner(gu), "silu", False):  # unfused: [gate | up] (this rank's slices of each)
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        return self._lin(self._p(i, "down_proj"), y)
+            y = silu_mul(*y.chunk(2, dim=-1), self.act_dtype)
+        return self._proj(self._p(i, "down_proj"), y)
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         rd = self.rotary_dim
