@@ -60,7 +60,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
-from .library import KernelLibrary, silu_mul
+from .library import KernelLibrary, mul_to, silu_mul
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -644,12 +644,14 @@ class TargetModel(torch.nn.Module):
         _, _, nk, nv = self.heads  # this rank's key / value heads
         p = f"model.layers.{i}.linear_attn"
         # in_proj_qkvz and in_proj_ba fused: one GEMM launch, rows [q | k | v | z | b | a] (this rank's
-        # heads of each); the pieces are views of its output
+        # heads of each); the pieces are views of its output, kept in act_dtype: the conv inputs upcast
+        # exactly inside the cat below, z / b / a (FP32 math) in one small cast
         c = 2 * nk * dk + nv * dv
-        mixed, z, bet, a = self._lin(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv, nv, nv], dim=-1)
+        mixed, zba = self._proj(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv + 2 * nv], dim=-1)
+        z, bet, a = zba.float().split([nv * dv, nv, nv], dim=-1)
 
-        # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous;
-        # an armed short forward writes them straight into its rollback buffer (no copy)
+        # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
+        # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
         parts = (state.conv[i].transpose(1, 2), mixed)
         if keep and t <= _SMALL_CHUNK:
             buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
@@ -662,8 +664,8 @@ class TargetModel(torch.nn.Module):
         else:
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
         o = _rms_norm(o, self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
-        o = o * F.silu(z.reshape(b, t, nv, dv))
-        return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))
+        o = mul_to(o, F.silu(z.reshape(b, t, nv, dv)), self.act_dtype)  # FP32 gate, stored as out_proj's input
+        return self._proj(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))  # act_dtype: the residual upcasts
 
     def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor, b: int, t: int,
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
