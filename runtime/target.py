@@ -391,11 +391,6 @@ def _l2_norm(x: Tensor, scale: float = 1.0) -> Tensor:
     return _rms_norm(x, None, _L2_EPS / n) * (scale / math.sqrt(n))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def dequantized_projections(model: TargetModel) -> dict[str, torch.nn.Module]:
     """Every projection of ``model`` dequantized once into an FP32 ``nn.Linear`` (logical row
     order, so a fused gate|up takes the unfused SiLU path): the fast, deterministic CPU path (the
@@ -588,9 +583,17 @@ class TargetModel(torch.nn.Module):
         return self._proj(self._p(i, "down_proj"), y)
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        rd = self.rotary_dim
-        r, rest = x[..., :rd], x[..., rd:]
-        return torch.cat((r * cos + _rotate_half(r) * sin, rest), dim=-1)
+        """RoPE on x's first ``rotary_dim`` channels, IN PLACE (x: a fresh tensor the caller owns);
+        returns x. ``r * cos + rotate_half(r) * sin`` half by half (cos / sin repeat over the halves):
+        a*c - b*s and b*c + a*s are bitwise a*c + (-b)*s and b*c + a*s, and the other channels
+        (3/4 of them at partial_rotary_factor 0.25) are not copied."""
+        h = self.rotary_dim // 2
+        a, b = x[..., :h], x[..., h:2 * h]
+        c, s = cos[..., :h], sin[..., :h]
+        a_s, b_s = a * s, b * s
+        a.mul_(c).sub_(b_s)
+        b.mul_(c).add_(a_s)
+        return x
 
     def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
@@ -601,7 +604,7 @@ class TargetModel(torch.nn.Module):
         gate = None
         if cfg.attn_output_gate:  # per head [q(D) | gate(D)]
             qg = qg.view(b, t, nh, 2 * d)
-            q, gate = qg[..., :d], qg[..., d:].reshape(b, t, nh * d)
+            q, gate = qg[..., :d], qg[..., d:]
         else:
             q = qg.view(b, t, nh, d)
         q = self._rope(_rms_norm(q, self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
@@ -614,29 +617,38 @@ class TargetModel(torch.nn.Module):
         # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
         # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
         out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
-        o = (self._attend(q, kc, vc, pos) if out is None else out).reshape(b, t, nh * d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self._lin(self._p(i, "o_proj"), o)
+        o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
+        if gate is not None:  # FP32 gate; the product lands contiguous in o_proj's input dtype
+            o = mul_to(o, torch.sigmoid(gate), self.act_dtype)
+        # act_dtype out: the residual add upcasts it exactly
+        return self._proj(self._p(i, "o_proj"), o.reshape(b, t, nh * d))
 
     @staticmethod
     def _attend(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> Tensor:
         """Causal GQA attention (FP32 reference) of queries q [B, T, H, D] at positions pos [B, T] over
         each request's own cache [B, L, Hkv, D] (keys at positions <= the query's; the rest -- stale
         entries past a request's length -- get probability exactly 0). Static shapes, no host sync:
-        CUDA-graph capturable. Returns [B, T, H, D]. A generated verify-attention kernel
+        CUDA-graph capturable. Returns [B, T, H, D] (a strided view). A generated verify-attention kernel
         (runtime/attention.py) replaces this behind the same contract."""
         b, t, h, d = q.shape
         hkv, length = kc.shape[2], kc.shape[1]
         g = h // hkv
-        qb = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        # scale and mask in place (the same elementwise kernels and bits; two [B, Hkv, G*T, L] FP32
-        # buffers less, ~100 MB each per 1K-token prefill at Qwen3.8 shapes)
-        s = (qb @ kc.permute(0, 2, 3, 1).float()).mul_(d**-0.5)  # [B, Hkv, G*T, L]
-        visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
-        s = s.view(b, hkv, g, t, length).masked_fill_(~visible[:, None, None], float("-inf"))
+        scale = d**-0.5
+        qb = torch.empty((b, hkv, g, t, d), dtype=q.dtype, device=q.device)  # grouped by KV head
+        kt = kc.permute(0, 2, 3, 1).float()
+        if math.frexp(scale)[0] == 0.5:
+            # a power of two (d = 64, 256, ...): scaling q is exact, so (q * scale) @ k^T is bitwise
+            # (q @ k^T) * scale (outside FP32's subnormal range), with the scale in the copy that groups
+            # q rather than a pass over the [B, Hkv, G*T, L] scores (~200 MB per 1K-token prefill layer)
+            torch.mul(q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4), scale, out=qb)
+            s = qb.view(b, hkv, g * t, d) @ kt  # [B, Hkv, G*T, L]
+        else:
+            qb.copy_(q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4))
+            s = (qb.view(b, hkv, g * t, d) @ kt).mul_(scale)  # in place: no second scores buffer
+        hidden = torch.arange(length, device=q.device) > pos[:, :, None]  # [B, T, L]: keys past the query
+        s = s.view(b, hkv, g, t, length).masked_fill_(hidden[:, None, None], float("-inf"))
         o = s.softmax(-1).view(b, hkv, g * t, length) @ vc.permute(0, 2, 1, 3).float()  # [B, Hkv, G*T, D]
-        return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+        return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).flatten(2, 3)  # a view: heads stay grouped
 
     def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
         b, t, _ = x.shape

@@ -192,7 +192,7 @@ def run_case(target: Any, tokens: torch.Tensor, act: torch.dtype) -> list[torch.
     one-token step: what every result tensor was after each."""
     b, t = tokens.shape
     st = state_of(target, b, t + 16, act)
-    out = [target(tokens, st, num_new=torch.full((b,), t - 1))]  # a padded last position, as the decoder
+    out = [target(tokens, st, num_new=t - 1 - 4 * torch.arange(b))]  # right-padded prompts, as the decoder
     out += snapshot(st)
     gen = torch.Generator().manual_seed(1)
     st.checkpoint(8)
@@ -254,7 +254,7 @@ def main() -> None:
     cfg = config(a.config, a.layers)
     ckpt = Path(tempfile.mkdtemp())
     write_synthetic_checkpoint(ckpt, cfg, load_deployment("nvfp4"), seed=3)
-    tokens = torch.randint(0, cfg.vocab_size, (1, a.tokens), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, cfg.vocab_size, (2, a.tokens), generator=torch.Generator().manual_seed(2))
     print(f"# {a.config}: {cfg.num_hidden_layers} layers {cfg.layer_types}, hidden {cfg.hidden_size}, "
           f"T = {a.tokens}, FP16 activations, prefill (logits=False), ref {a.ref}")
     kinds = {}
@@ -263,14 +263,14 @@ def main() -> None:
         target = build(pkg, ckpt, cfg, torch.float16, counter)
         st = state_of(target, 1, a.tokens + 16, torch.float16)
         with counter:
-            target(tokens, st, num_new=torch.tensor([a.tokens]), logits=False)
+            target(tokens[:1], st, num_new=torch.tensor([a.tokens]), logits=False)
         kinds[title] = table(counter.ops, title)
     print("## summary (calls, MiB): " + "; ".join(
         f"{k}: {' -> '.join(f'{v[k][0]} / {v[k][1] / 2**20:.1f}' for v in kinds.values() if k in v)}"
         for k in sorted({k for v in kinds.values() for k in v})))
     if a.no_check:
         return
-    print("## old vs new results (prefill at T, then a verify round + rollback and a step)")
+    print("## old vs new results (2 requests: prefill at T, then a verify round + rollback and a step)")
     for act in (torch.float16, torch.float32):
         for seq in (True, False):
             res = []
