@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +46,10 @@ MEDIUM: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 1000,
 }
+# bytes / second of the glue kernels in bench/h200-2026-11-30-s7/final/decode/profile-prefill.txt, from this
+# tool's byte counts for that run (--meta --config qwen3.8 --tokens 1023 --ref 43ce811): mul 2.9, add 4.1,
+# silu 2.6, rms_norm 2.1, copy_ (casts + copies) 2.8 TB/s
+H200_GLUE_BW = 2.9e12
 GEMMS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_linear"}
 # views and allocations: no kernel, no traffic
 VIEWS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
@@ -102,7 +106,9 @@ class OpCounter(TorchDispatchMode):
             kind = "cast"
         elif name in COPIES:
             kind = "copy"
-        if name in ("copy_", "index_put_", "_index_put_impl_") and ins:
+        if name in ("index", "gather", "index_select"):  # reads the rows it gathers (+ the indices)
+            moved = 2 * sum(_bytes(t) for t in outs) + sum(_bytes(t) for t in ins[1:])
+        elif name in ("copy_", "index_put_", "_index_put_impl_") and ins:
             ins = ins[1:] + [ins[0]]  # the destination is written, not read: counted once below
             moved = sum(_bytes(t) for t in ins)
         else:
@@ -129,30 +135,52 @@ class OpCounter(TorchDispatchMode):
 
 class LibraryFallback(torch.nn.Module):
     """A QuantLinear as the CUDA KernelLibrary serves an M without a tuned kernel: the FP16 dequantized
-    weight made once (``cache_dequantized``) and ``fallback_gemm`` of the runtime under test."""
+    weight ``w16`` made once (``cache_dequantized``) and ``fallback_gemm`` of the runtime under test."""
 
-    def __init__(self, q: torch.nn.Module, fallback: Callable[..., torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, w16: torch.Tensor, packed: Any, fallback: Callable[..., torch.Tensor]) -> None:
         super().__init__()
-        self.q, self.fallback, self.silu = q, fallback, q.silu
-        self.w16 = q.dequantize().to(dtype)
+        self.w16, self.packed, self.fallback, self.silu = w16, packed, fallback, packed.layout.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        y = self.fallback(x.reshape(-1, k).contiguous(), self.q.packed(), self.w16)  # QuantLinear: [M, K]
+        y = self.fallback(x.reshape(-1, k).contiguous(), self.packed, self.w16)  # QuantLinear: [M, K]
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def build(pkg: str, ckpt: Path, cfg: ModelConfig, act: torch.dtype, counter: OpCounter | None,
+def _meta_target(rt: dict[str, ModuleType], cfg: ModelConfig, act: torch.dtype) -> Any:
+    """A shape-only target on the meta device (any size: no weights, no arithmetic)."""
+    from dflashgen.runtime.checkpoint import layer_projections
+
+    from dflashgen.model import derive_projections
+
+    shapes = {p.name: p for p in derive_projections(cfg, 1)}
+    projs = {}
+    for key, _, name in layer_projections(cfg):
+        layout = SimpleNamespace(silu=name == "gate_up_proj")  # the deployment's fused SiLU epilogue
+        w16 = torch.empty(shapes[name].n, shapes[name].k, dtype=act, device="meta")
+        projs[key] = LibraryFallback(w16, SimpleNamespace(layout=layout), rt["library"].fallback_gemm)
+    weights = rt["target"].NonLinearWeights(
+        {n: torch.empty(shape, device="meta") for n, shape in rt["target"].nonlinear_shapes(cfg).items()})
+    return rt["target"].TargetModel(cfg, projs, weights, device="meta", act_dtype=act)
+
+
+def build(pkg: str, ckpt: Path | None, cfg: ModelConfig, act: torch.dtype, counter: OpCounter | None,
           sequential: bool = True) -> Any:
-    """``pkg``'s target on the CPU as on a GPU (module docstring); ``sequential=False``: the GDN chunk form."""
+    """``pkg``'s target on the CPU as on a GPU (module docstring); ``sequential=False``: the GDN chunk
+    form. ``ckpt=None``: on the meta device (op counts only)."""
     rt = {m: importlib.import_module(f"{pkg}.{m}") for m in ("target", "library", "linear")}
-    target = rt["target"].TargetModel.from_checkpoint(ckpt, cfg, load_deployment("nvfp4"), seed=5, act_dtype=act)
-    for md in target.proj:
-        for name, m in list(md.items()):
-            if isinstance(m, rt["linear"].QuantLinear):
-                md[name] = LibraryFallback(m, rt["library"].fallback_gemm, act)
-    if isinstance(target.lm_head, rt["linear"].QuantLinear):
-        target.lm_head = LibraryFallback(target.lm_head, rt["library"].fallback_gemm, act)
+    if ckpt is None:
+        target = _meta_target(rt, cfg, act)
+    else:
+        target = rt["target"].TargetModel.from_checkpoint(ckpt, cfg, load_deployment("nvfp4"), seed=5,
+                                                          act_dtype=act)
+        for md in target.proj:
+            for name, m in list(md.items()):
+                if isinstance(m, rt["linear"].QuantLinear):
+                    md[name] = LibraryFallback(m.dequantize().to(act), m.packed(), rt["library"].fallback_gemm)
+        if isinstance(target.lm_head, rt["linear"].QuantLinear):
+            m = target.lm_head
+            target.lm_head = LibraryFallback(m.dequantize().to(act), m.packed(), rt["library"].fallback_gemm)
     tmod: ModuleType = rt["target"]
     tmod._sequential_prefill = lambda device, dk: sequential  # True: the CUDA prefill path, gdn_prefill
     real = tmod.__dict__.setdefault("_real_gdn_prefill", tmod.gdn_prefill)
@@ -161,7 +189,8 @@ def build(pkg: str, ckpt: Path, cfg: ModelConfig, act: torch.dtype, counter: OpC
         if counter is None:
             return real(*a, **kw)
         with counter.paused("gdn kernel", "gdn_prefill"):
-            return real(*a, **kw)
+            v = a[3]
+            return v.new_empty(v.shape) if v.is_meta else real(*a, **kw)  # o [B, T, Hv, dv]
 
     tmod.gdn_prefill = gdn_prefill
     real_norm = tmod.__dict__.setdefault("_real_rms_norm", tmod._rms_norm)
@@ -180,7 +209,8 @@ def build(pkg: str, ckpt: Path, cfg: ModelConfig, act: torch.dtype, counter: OpC
 
 def state_of(target: Any, batch: int, max_len: int, act: torch.dtype) -> Any:
     tmod = sys.modules[type(target).__module__]
-    return tmod.DecodeState(target.cfg, batch, max_len, "cpu", act)  # FP16 KV as on a GPU
+    max_len = -(-max_len // 16) * 16  # whole pages, as TargetModel.new_state
+    return tmod.DecodeState(target.cfg, batch, max_len, target.device, act)  # FP16 KV as on a GPU
 
 
 def snapshot(st: Any) -> list[torch.Tensor]:
@@ -246,14 +276,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="qwen3.8: layers kept (default 4: 3 GDN + 1 full)")
     ap.add_argument("--tokens", type=int, default=255)
     ap.add_argument("--no-check", action="store_true", help="skip the old-vs-new result comparison")
+    ap.add_argument("--meta", action="store_true",
+                    help="count on the meta device (shapes only: any size, e.g. --config qwen3.8 --tokens 1023); "
+                         "implies --no-check")
     a = ap.parse_args()
     from dflashgen.runtime.synthetic import write_synthetic_checkpoint
 
     torch.manual_seed(0)
     old = old_runtime(a.ref)
     cfg = config(a.config, a.layers)
-    ckpt = Path(tempfile.mkdtemp())
-    write_synthetic_checkpoint(ckpt, cfg, load_deployment("nvfp4"), seed=3)
+    ckpt = None
+    if not a.meta:
+        ckpt = Path(tempfile.mkdtemp())
+        write_synthetic_checkpoint(ckpt, cfg, load_deployment("nvfp4"), seed=3)
     tokens = torch.randint(0, cfg.vocab_size, (2, a.tokens), generator=torch.Generator().manual_seed(2))
     print(f"# {a.config}: {cfg.num_hidden_layers} layers {cfg.layer_types}, hidden {cfg.hidden_size}, "
           f"T = {a.tokens}, FP16 activations, prefill (logits=False), ref {a.ref}")
@@ -261,14 +296,20 @@ def main() -> None:
     for pkg, title in ((old, f"before ({a.ref})"), ("dflashgen.runtime", "after (this worktree)")):
         counter = OpCounter()
         target = build(pkg, ckpt, cfg, torch.float16, counter)
-        st = state_of(target, 1, a.tokens + 16, torch.float16)
+        st = state_of(target, 1, a.tokens, torch.float16)  # as SpecDecoder._prefill's scratch state
         with counter:
-            target(tokens[:1], st, num_new=torch.tensor([a.tokens]), logits=False)
+            target(tokens[:1].to(target.device), st, num_new=torch.tensor([a.tokens]), logits=False,
+                   check=not a.meta)
         kinds[title] = table(counter.ops, title)
     print("## summary (calls, MiB): " + "; ".join(
         f"{k}: {' -> '.join(f'{v[k][0]} / {v[k][1] / 2**20:.1f}' for v in kinds.values() if k in v)}"
         for k in sorted({k for v in kinds.values() for k in v})))
-    if a.no_check:
+    glue = [[(n, m) for k, (n, m) in v.items() if k not in ("matmul", "gdn kernel")] for v in kinds.values()]
+    (n0, m0), (n1, m1) = ((sum(n for n, _ in g), sum(m for _, m in g)) for g in glue)
+    print(f"## glue (casts, copies, elementwise): {n0} -> {n1} ops, {m0 / 2**20:.1f} -> {m1 / 2**20:.1f} MiB "
+          f"moved; at the ~{H200_GLUE_BW / 1e12:.1f} TB/s these kernels reach on an H200 (bench/h200-2026-11-30-s7 "
+          f"profile-prefill) {m0 / H200_GLUE_BW * 1e3:.3f} -> {m1 / H200_GLUE_BW * 1e3:.3f} ms")
+    if a.no_check or a.meta:
         return
     print("## old vs new results (2 requests: prefill at T, then a verify round + rollback and a step)")
     for act in (torch.float16, torch.float32):
