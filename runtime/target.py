@@ -7,7 +7,12 @@ weights, q/k norms, GDN conv1d / ``A_log`` / ``dt_bias`` / gated-norm weights --
 seed where the checkpoint lacks it (synthetic checkpoints hold only the projections).
 
 All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
-GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
+GPU). Glue that a long prefill pays per [T, width] element is kept to what the math needs, without
+changing a bit: a projection's output stays in ``act_dtype`` where its consumer upcasts it exactly
+(the residual adds, the GDN conv's cat, another projection), and an FP32 product that feeds a
+projection is rounded once on its store (:func:`~.library.mul_to`) rather than written in FP32 and cast.
+
+:class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
 :meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta terms from which
 :meth:`DecodeState.rollback` restores any accepted length exactly (speculative verify rounds).
 
