@@ -604,7 +604,9 @@ class TargetModel(torch.nn.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
-        qkv = self._lin(self._p(i, "qkv_proj"), x)
+        # act_dtype pieces, each upcast (exactly) where it is used: q and k into the contiguous FP32
+        # copies their norms would make anyway, v not at all on its way into an FP16 cache
+        qkv = self._proj(self._p(i, "qkv_proj"), x)
         qg, k, v = qkv.split([nh * d * (2 if cfg.attn_output_gate else 1), nkv * d, nkv * d], dim=-1)
         gate = None
         if cfg.attn_output_gate:  # per head [q(D) | gate(D)]
@@ -612,8 +614,8 @@ class TargetModel(torch.nn.Module):
             q, gate = qg[..., :d], qg[..., d:]
         else:
             q = qg.view(b, t, nh, d)
-        q = self._rope(_rms_norm(q, self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
-        k = self._rope(_rms_norm(k.view(b, t, nkv, d), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
+        q = self._rope(_rms_norm(q.float(), self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
+        k = self._rope(_rms_norm(k.view(b, t, nkv, d).float(), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
         kc, vc = state.k[i], state.v[i]
         rows = torch.arange(b, device=x.device)[:, None]
         kc[rows, pos] = k.to(kc.dtype)
@@ -624,7 +626,7 @@ class TargetModel(torch.nn.Module):
         out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
         o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
         if gate is not None:  # FP32 gate; the product lands contiguous in o_proj's input dtype
-            o = mul_to(o, torch.sigmoid(gate), self.act_dtype)
+            o = mul_to(o, torch.sigmoid(gate.float()), self.act_dtype)
         # act_dtype out: the residual add upcasts it exactly
         return self._proj(self._p(i, "o_proj"), o.reshape(b, t, nh * d))
 
