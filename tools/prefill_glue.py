@@ -113,8 +113,8 @@ class OpCounter(TorchDispatchMode):
             moved = sum(_bytes(t) for t in ins)
         else:
             moved = sum(_bytes(t) for t in ins) + sum(_bytes(t) for t in outs)
-            if rets[0].alias_info is not None:  # in place: self read and written
-                moved += _bytes(ins[0])
+            if rets[0].alias_info is not None and "out" not in (kwargs or {}):  # in place: self read, written
+                moved += _bytes(ins[0])  # (an out= tensor is in ins: written once)
         rec = self.ops[(kind, name)]
         rec[0] += 1
         rec[1] += moved
