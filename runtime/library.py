@@ -74,13 +74,25 @@ def _layout_key(lay: Layout) -> str:
     return problem_key(lay.arch, lay.fmt, "silu" if lay.silu else "store", lay.n, lay.k)
 
 
+def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a * b`` computed in the inputs' promoted type (FP32 for FP32 x FP16: the FP16 operand upcasts
+    exactly) and rounded once to ``dtype``: the bits of ``(a.float() * b.float()).to(dtype)`` without
+    the upcast copies or the FP32 product in memory (the multiply's loads and store convert)."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU(gate) * up in FP32, rounded once to ``dtype``: ``(silu(gate.float()) * up.float()).to(dtype)``."""
+    return mul_to(torch.nn.functional.silu(gate.float()), up, dtype)
+
+
 def fallback_gemm(x: torch.Tensor, packed: PackedWeight, w16: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize + cuBLAS, correct for any M; ``w16`` is an already dequantized weight (cached)."""
     w = dequantize_packed(packed).to(x.dtype) if w16 is None else w16
     y = x @ w.t()
     if packed.layout.silu:
-        gate, up = y.float().chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y = silu_mul(*y.chunk(2, dim=-1), x.dtype)
     return y
 
 

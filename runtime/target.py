@@ -7,7 +7,12 @@ weights, q/k norms, GDN conv1d / ``A_log`` / ``dt_bias`` / gated-norm weights --
 seed where the checkpoint lacks it (synthetic checkpoints hold only the projections).
 
 All math outside the projections runs in FP32 (projection inputs are cast to ``act_dtype``, FP16 on a
-GPU). :class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
+GPU). Glue that a long prefill pays per [T, width] element is kept to what the math needs, without
+changing a bit: a projection's output stays in ``act_dtype`` where its consumer upcasts it exactly
+(the residual adds, the GDN conv's cat, another projection), and an FP32 product that feeds a
+projection is rounded once on its store (:func:`~.library.mul_to`) rather than written in FP32 and cast.
+
+:class:`DecodeState` holds per-request lengths, KV caches and GDN recurrent + conv states; with
 :meth:`DecodeState.checkpoint` armed, a forward keeps the gated-delta terms from which
 :meth:`DecodeState.rollback` restores any accepted length exactly (speculative verify rounds).
 
@@ -60,7 +65,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
-from .library import KernelLibrary
+from .library import KernelLibrary, mul_to, silu_mul
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -391,11 +396,6 @@ def _l2_norm(x: Tensor, scale: float = 1.0) -> Tensor:
     return _rms_norm(x, None, _L2_EPS / n) * (scale / math.sqrt(n))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def dequantized_projections(model: TargetModel) -> dict[str, torch.nn.Module]:
     """Every projection of ``model`` dequantized once into an FP32 ``nn.Linear`` (logical row
     order, so a fused gate|up takes the unfused SiLU path): the fast, deterministic CPU path (the
@@ -497,8 +497,13 @@ class TargetModel(torch.nn.Module):
         max_len = -(-max_len // DENSE_PAGE) * DENSE_PAGE
         return DecodeState(self.cfg, batch, max_len, self.device, kv, tp=self.tp)
 
+    def _proj(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
+        """mod(x) in ``act_dtype``, as the projection returns it: for consumers that upcast it exactly
+        themselves (another projection, a promoting add / cat / multiply) -- no FP32 copy in memory."""
+        return mod(x.to(self.act_dtype))
+
     def _lin(self, mod: torch.nn.Module, x: Tensor) -> Tensor:
-        return mod(x.to(self.act_dtype)).float()
+        return self._proj(mod, x).float()
 
     def _p(self, i: int, name: str) -> torch.nn.Module:
         return self.proj[i][name]  # type: ignore[index]
@@ -589,32 +594,44 @@ class TargetModel(torch.nn.Module):
         return out if taps is None else (out, {i: tapped[i] for i in taps})
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
+        """down(SiLU(gate) * up) in ``act_dtype`` (the residual add upcasts it exactly). SiLU(gate) * up
+        is computed in FP32 and rounded once to ``act_dtype``, the down projection's input (fused
+        epilogue or :func:`~.library.silu_mul`): never an FP32 [T, I] copy in memory."""
         gu = self._p(i, "gate_up_proj")
-        y = self._lin(gu, x)
+        y = self._proj(gu, x)
         if not getattr(_inner(gu), "silu", False):  # unfused: [gate | up] (this rank's slices of each)
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        return self._lin(self._p(i, "down_proj"), y)
+            y = silu_mul(*y.chunk(2, dim=-1), self.act_dtype)
+        return self._proj(self._p(i, "down_proj"), y)
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        rd = self.rotary_dim
-        r, rest = x[..., :rd], x[..., rd:]
-        return torch.cat((r * cos + _rotate_half(r) * sin, rest), dim=-1)
+        """RoPE on x's first ``rotary_dim`` channels, IN PLACE (x: a fresh tensor the caller owns);
+        returns x. ``r * cos + rotate_half(r) * sin`` half by half (cos / sin repeat over the halves):
+        a*c - b*s and b*c + a*s are bitwise a*c + (-b)*s and b*c + a*s, and the other channels
+        (3/4 of them at partial_rotary_factor 0.25) are not copied."""
+        h = self.rotary_dim // 2
+        a, b = x[..., :h], x[..., h:2 * h]
+        c, s = cos[..., :h], sin[..., :h]
+        a_s, b_s = a * s, b * s
+        a.mul_(c).sub_(b_s)
+        b.mul_(c).add_(a_s)
+        return x
 
     def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
-        qkv = self._lin(self._p(i, "qkv_proj"), x)
+        # act_dtype pieces, each upcast (exactly) where it is used: q and k into the contiguous FP32
+        # copies their norms would make anyway, v not at all on its way into an FP16 cache
+        qkv = self._proj(self._p(i, "qkv_proj"), x)
         qg, k, v = qkv.split([nh * d * (2 if cfg.attn_output_gate else 1), nkv * d, nkv * d], dim=-1)
         gate = None
         if cfg.attn_output_gate:  # per head [q(D) | gate(D)]
             qg = qg.view(b, t, nh, 2 * d)
-            q, gate = qg[..., :d], qg[..., d:].reshape(b, t, nh * d)
+            q, gate = qg[..., :d], qg[..., d:]
         else:
             q = qg.view(b, t, nh, d)
-        q = self._rope(_rms_norm(q, self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
-        k = self._rope(_rms_norm(k.view(b, t, nkv, d), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
+        q = self._rope(_rms_norm(q.float(), self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
+        k = self._rope(_rms_norm(k.view(b, t, nkv, d).float(), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
         kc, vc = state.k[i], state.v[i]
         rows = torch.arange(b, device=x.device)[:, None]
         kc[rows, pos] = k.to(kc.dtype)
@@ -623,29 +640,38 @@ class TargetModel(torch.nn.Module):
         # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
         # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
         out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
-        o = (self._attend(q, kc, vc, pos) if out is None else out).reshape(b, t, nh * d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self._lin(self._p(i, "o_proj"), o)
+        o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
+        if gate is not None:  # FP32 gate; the product lands contiguous in o_proj's input dtype
+            o = mul_to(o, torch.sigmoid(gate.float()), self.act_dtype)
+        # act_dtype out: the residual add upcasts it exactly
+        return self._proj(self._p(i, "o_proj"), o.reshape(b, t, nh * d))
 
     @staticmethod
     def _attend(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> Tensor:
         """Causal GQA attention (FP32 reference) of queries q [B, T, H, D] at positions pos [B, T] over
         each request's own cache [B, L, Hkv, D] (keys at positions <= the query's; the rest -- stale
         entries past a request's length -- get probability exactly 0). Static shapes, no host sync:
-        CUDA-graph capturable. Returns [B, T, H, D]. A generated verify-attention kernel
+        CUDA-graph capturable. Returns [B, T, H, D] (a strided view). A generated verify-attention kernel
         (runtime/attention.py) replaces this behind the same contract."""
         b, t, h, d = q.shape
         hkv, length = kc.shape[2], kc.shape[1]
         g = h // hkv
-        qb = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        # scale and mask in place (the same elementwise kernels and bits; two [B, Hkv, G*T, L] FP32
-        # buffers less, ~100 MB each per 1K-token prefill at Qwen3.8 shapes)
-        s = (qb @ kc.permute(0, 2, 3, 1).float()).mul_(d**-0.5)  # [B, Hkv, G*T, L]
-        visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
-        s = s.view(b, hkv, g, t, length).masked_fill_(~visible[:, None, None], float("-inf"))
+        scale = d**-0.5
+        qb = torch.empty((b, hkv, g, t, d), dtype=q.dtype, device=q.device)  # grouped by KV head
+        kt = kc.permute(0, 2, 3, 1).float()
+        if math.frexp(scale)[0] == 0.5:
+            # a power of two (d = 64, 256, ...): scaling q is exact, so (q * scale) @ k^T is bitwise
+            # (q @ k^T) * scale (outside FP32's subnormal range), with the scale in the copy that groups
+            # q rather than a pass over the [B, Hkv, G*T, L] scores (~200 MB per 1K-token prefill layer)
+            torch.mul(q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4), scale, out=qb)
+            s = qb.view(b, hkv, g * t, d) @ kt  # [B, Hkv, G*T, L]
+        else:
+            qb.copy_(q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4))
+            s = (qb.view(b, hkv, g * t, d) @ kt).mul_(scale)  # in place: no second scores buffer
+        hidden = torch.arange(length, device=q.device) > pos[:, :, None]  # [B, T, L]: keys past the query
+        s = s.view(b, hkv, g, t, length).masked_fill_(hidden[:, None, None], float("-inf"))
         o = s.softmax(-1).view(b, hkv, g * t, length) @ vc.permute(0, 2, 1, 3).float()  # [B, Hkv, G*T, D]
-        return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+        return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).flatten(2, 3)  # a view: heads stay grouped
 
     def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
         b, t, _ = x.shape
@@ -653,12 +679,14 @@ class TargetModel(torch.nn.Module):
         _, _, nk, nv = self.heads  # this rank's key / value heads
         p = f"model.layers.{i}.linear_attn"
         # in_proj_qkvz and in_proj_ba fused: one GEMM launch, rows [q | k | v | z | b | a] (this rank's
-        # heads of each); the pieces are views of its output
+        # heads of each); the pieces are views of its output, kept in act_dtype: the conv inputs upcast
+        # exactly inside the cat below, z / b / a (FP32 math) in one small cast
         c = 2 * nk * dk + nv * dv
-        mixed, z, bet, a = self._lin(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv, nv, nv], dim=-1)
+        mixed, zba = self._proj(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv + 2 * nv], dim=-1)
+        z, bet, a = zba.float().split([nv * dv, nv, nv], dim=-1)
 
-        # conv inputs [B, C, W-1+T], stored time-major so the conv output's q / k / v rows are contiguous;
-        # an armed short forward writes them straight into its rollback buffer (no copy)
+        # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
+        # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
         parts = (state.conv[i].transpose(1, 2), mixed)
         if keep and t <= _SMALL_CHUNK:
             buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
@@ -671,8 +699,8 @@ class TargetModel(torch.nn.Module):
         else:
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
         o = _rms_norm(o, self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
-        o = o * F.silu(z.reshape(b, t, nv, dv))
-        return self._lin(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))
+        o = mul_to(o, F.silu(z.reshape(b, t, nv, dv)), self.act_dtype)  # FP32 gate, stored as out_proj's input
+        return self._proj(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))  # act_dtype: the residual upcasts
 
     def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor, b: int, t: int,
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

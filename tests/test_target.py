@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dflashgen.runtime.decode_bench import TINY
+from dflashgen.runtime.library import mul_to, silu_mul
 from dflashgen.runtime.linear import QuantLinear
 from dflashgen.runtime.synthetic import write_synthetic_checkpoint
 from dflashgen.runtime.target import DecodeState, NonLinearWeights, TargetModel, nonlinear_shapes
@@ -273,3 +275,53 @@ def test_state_caches_hold_whole_kernel_pages(model: TargetModel) -> None:
     st = model.new_state(2, 1543)
     assert st.max_len == 1552
     assert all(k.shape[1] % 16 == 0 for k in st.k.values()) and st.k
+
+
+def test_glue_fusions_round_as_the_fp32_formulas() -> None:
+    """The prefill's fused glue (runtime/library.py) is bitwise the FP32 formulation it replaced:
+    products of FP16 / strided operands computed in FP32 and rounded once on the store."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 7, 64, generator=g).half()  # a [gate | up] projection output
+    gate, up = y.chunk(2, dim=-1)
+    for dtype in (torch.float16, torch.float32):
+        ref = (F.silu(gate.float()) * up.float()).to(dtype)
+        assert torch.equal(silu_mul(gate, up, dtype), ref)
+        assert torch.equal(silu_mul(gate.float(), up.float(), dtype), ref)
+    a = torch.randn(2, 3, 4, 8, generator=g).transpose(1, 2)  # strided, as _attend's output
+    b = torch.randn(4, 1, 16, generator=g)[..., ::2]  # strided, broadcast
+    out = mul_to(a, b, torch.float16)
+    assert out.is_contiguous() and torch.equal(out, (a * b).half())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def test_rope_in_place_is_the_rotate_half_formula(model: TargetModel) -> None:
+    g = torch.Generator().manual_seed(1)
+    rd, d = model.rotary_dim, CFG.head_dim
+    assert 0 < rd < d  # partial rotary: the other channels pass through
+    x = torch.randn(2, 5, 3, d, generator=g)
+    ang = torch.randn(2, 5, 1, rd // 2, generator=g)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    r = x[..., :rd]
+    ref = torch.cat((r * cos + _rotate_half(r) * sin, x[..., rd:]), dim=-1)
+    y = x.clone()
+    assert model._rope(y, cos, sin) is y and torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("d", [64, 32])  # scale 1/8 (folded into q) and 1/sqrt(32) (after the matmul)
+def test_attend_matches_the_reference_formula(d: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    b, t, h, hkv, length = 2, 6, 4, 2, 16
+    q = torch.randn(b, t, h, d, generator=g)
+    kc, vc = torch.randn(b, length, hkv, d, generator=g), torch.randn(b, length, hkv, d, generator=g)
+    pos = torch.tensor([[0], [7]]) + torch.arange(t)
+    qb = q.view(b, t, hkv, h // hkv, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)
+    s = (qb @ kc.permute(0, 2, 3, 1)) * d**-0.5
+    visible = torch.arange(length) <= pos[:, :, None]
+    s = s.view(b, hkv, h // hkv, t, length).masked_fill(~visible[:, None, None], float("-inf"))
+    o = s.softmax(-1).view(b, hkv, -1, length) @ vc.permute(0, 2, 1, 3)
+    ref = o.view(b, hkv, h // hkv, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    assert torch.equal(TargetModel._attend(q, kc, vc, pos), ref)
