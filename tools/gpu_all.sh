@@ -36,14 +36,16 @@ C)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
   if [ -n "${TESTS:-}" ]; then
-    echo "== pytest -m gpu $TESTS"
+    echo "== pytest -m gpu $TESTS"  # TESTS=tests: all of them
     timeout 240 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
     tail -3 "$R/pytest-gpu.log"  # the bench runs either way (its numbers come with this log)
+    pack  # what is done so far comes back even if the call runs out of time
   fi
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
   CK=$(mktemp -d)/ckpt
   timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40
+  pack
   echo "== prefill profile"; timeout 90 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
   head -1 "$R/decode/profile-prefill.txt"
   if [ -n "${AB:-}" ]; then
