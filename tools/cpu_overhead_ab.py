@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import subprocess
 import sys
-import tempfile
 import time
 import timeit
 import types
@@ -20,21 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ref_runtime import old_runtime  # tools/ (run as a script)
 
 from dflashgen.quant import quantize_nvfp4
 from dflashgen.render import load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _old_runtime(ref: str) -> str:
-    """Extract ``ref``'s runtime/ as the package ``oldruntime`` on sys.path."""
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "oldruntime").mkdir()
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "runtime"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp / "oldruntime"), "--strip-components=1"], input=tar, check=True)
-    sys.path.insert(0, str(tmp))
-    return "oldruntime"
 
 
 def _fake_cuda(pkgs: list[str]) -> None:
@@ -125,7 +114,7 @@ def main(ref: str = "HEAD~1") -> None:
     import logging
 
     logging.getLogger("dflashgen").setLevel(logging.ERROR)
-    old = _old_runtime(ref)
+    old = old_runtime(ref)
     _fake_cuda([old, "dflashgen.runtime"])
     man = load_manifest()["kernels"]
     for label, n, k in (("in_proj_qkvzba", 4120, 5120), ("o_proj", 5120, 1536)):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -29,6 +28,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+from ref_runtime import old_runtime  # tools/ (run as a script)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflashgen.deployment import load_deployment
@@ -56,16 +56,6 @@ VIEWS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.empty.memory_format
          torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default}
 COPIES = {"copy_", "clone", "cat", "index_put_", "index_put", "_index_put_impl_", "gather", "stack",
           "_unsafe_index_put", "contiguous", "index", "index_select"}
-
-
-def old_runtime(ref: str) -> str:
-    """``ref``'s runtime/ as the importable package ``oldruntime`` (git archive into a temp dir)."""
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "oldruntime").mkdir()
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "runtime"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp / "oldruntime"), "--strip-components=1"], input=tar, check=True)
-    sys.path.insert(0, str(tmp))
-    return "oldruntime"
 
 
 def _bytes(t: torch.Tensor) -> int:
