@@ -72,7 +72,7 @@ from .graphs import DecodeGraphs
 from .host import to_device
 from .parallel import broadcast_from_first
 from .sampling import SamplingParams, Uniforms, VerifyResult, verify
-from .target import DecodeState, TargetModel
+from .target import DecodeState, TargetModel, drain
 
 __all__ = [
     "Drafter",
@@ -761,13 +761,7 @@ class SpecDecoder:
             return
         timer = _Timer(self.target.device)
         t0 = timer.start("prefill_gpu")
-        steps = self._prefill_steps([slots[s] for s in joins], joins)  # type: ignore[misc]
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                done.value()
-                break
+        drain(self._prefill_steps([slots[s] for s in joins], joins))()  # type: ignore[arg-type]
         timer.stop("prefill_gpu", t0)
         self.stats.prefill_ms.append(timer.flush()["prefill_gpu"])
 

@@ -54,7 +54,7 @@ import os
 import zlib
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,18 @@ __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "non
 
 Tensor = torch.Tensor
 _L2_EPS = 1e-6  # as in HF / FLA l2norm
+
+
+R = TypeVar("R")
+
+
+def drain(steps: Generator[Any, None, R]) -> R:
+    """Run a step generator (:meth:`TargetModel.forward_steps`) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _gdn_dims(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
@@ -531,12 +543,7 @@ class TargetModel(torch.nn.Module):
         logits: False skips the final norm and the lm_head (an empty ``[B, T, 0]`` tensor is returned):
         prefill only needs the state (and taps), not ``B x T x V`` logits.
         """
-        steps = self.forward_steps(tokens, state, num_new, taps=taps, check=check, logits=logits)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.forward_steps(tokens, state, num_new, taps=taps, check=check, logits=logits))
 
     @torch.no_grad()
     def forward_steps(self, tokens: Tensor, state: DecodeState, num_new: Tensor | None = None, *,
