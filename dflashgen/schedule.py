@@ -443,9 +443,11 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     # space's x_smem_tiles list, every other tile the product of the knobs
     xs_shapes = space.tiles.get("x_smem_tiles", []) if 1 in space.tiles.get("x_smem", [0]) else []
     for rows in space.tiles["rows"]:
-        for warp_nt in space.tiles["warp_nt"]:
+        # warp_nt values only the x_smem list names (e.g. 4) get x_smem tiles only
+        for warp_nt in sorted(set(space.tiles["warp_nt"]) | {s[1] for s in xs_shapes}):
             for warps_n in sorted(set(space.tiles["warps_n"]) | {s[2] for s in xs_shapes}):
-                act = [(st, xa, 0) for st, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"])]
+                act = ([(st, xa, 0) for st, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"])]
+                       if warp_nt in space.tiles["warp_nt"] else [])
                 act += [(st, 0, 1) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
                 for stages, xa, xs in act:
                     tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)

@@ -31,6 +31,30 @@ def _fail(msg: str) -> None:
     raise KernelInputError(msg)
 
 
+# DFLASHGEN_L2_PREFETCH (sm_90): "1" -- each warp asks L2 for its whole weight stream before waiting
+# on the previous kernel (programmatic dependent launch), for weights of at most this many bytes;
+# an integer > 1 -- the first that many K groups of every kernel's streams; unset or "0" -- off.
+L2_PREFETCH_MAX_BYTES = 24 << 20
+
+
+def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int) -> int:
+    """The ``prefetch_groups`` argument of an sm_90 GEMM launch (0: no prefetch); results never
+    depend on it (a cache hint), only timing."""
+    raw = os.environ.get("DFLASHGEN_L2_PREFETCH", "0").strip()
+    try:
+        v = int(raw)
+    except ValueError as e:
+        raise ValueError(f"DFLASHGEN_L2_PREFETCH must be an integer >= 0, got {raw!r}") from e
+    if v < 0:
+        raise ValueError(f"DFLASHGEN_L2_PREFETCH must be an integer >= 0, got {raw!r}")
+    if arch < 90 or v == 0:
+        return 0
+    if v > 1:
+        return v
+    weight_bytes = n_pad * k * (9 / 16 if fmt == "nvfp4" else 1)  # NVFP4: codes + one E4M3 per 16
+    return 1 << 30 if weight_bytes <= L2_PREFETCH_MAX_BYTES else 0  # the kernel clamps to its range
+
+
 class GemmKernel:
     def __init__(self, entry: dict[str, Any], image_path: Path, max_m: int, device: torch.device) -> None:
         self.entry = entry
@@ -49,6 +73,7 @@ class GemmKernel:
         # anything but their weights, so each may start while the previous kernel finishes and
         # prefetch its weight stream under that kernel's tail; DFLASHGEN_PDL=0 launches plainly
         self.pdl: bool = self.arch >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
+        self.prefetch_groups = l2_prefetch_groups(self.arch, self.fmt, self.n_pad, self.k)
         self.max_m = max_m
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
@@ -257,10 +282,12 @@ class GemmLaunch:
         self._dev = kern._dev_index
         self._split = kern.split_k > 1
         self._stream = -1  # the stream the workspace pointers were written for
-        # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets]
-        params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5)]
+        # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets],
+        # L2 prefetch groups
+        params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5), ctypes.c_int]
         self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
                                 shared=kern.dynamic_smem, pdl=kern.pdl)
+        self._main.pack.values[-1].value = kern.prefetch_groups
 
     def bind(self, w: PackedWeight, m: int) -> None:
         """Point the launch at a validated weight and M rows (caller holds ``lock``)."""

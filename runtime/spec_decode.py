@@ -618,7 +618,10 @@ class SpecDecoder:
                 else:  # the requests in flight keep decoding; into an empty batch the first joins now
                     groups = self._prefill_groups(joins)
                     if not any(slots[s] is not None for s in range(st.batch) if s not in joins):
-                        self._prefill(slots, groups.pop(0))
+                        # the first request alone (a joint group split: its rows round as they would
+                        # in any batch only on a batch-invariant target, which prefills alone anyway)
+                        self._prefill(slots, [groups[0][0]])
+                        groups = [g for g in (groups[0][1:], *groups[1:]) if g]
                     self._begin_prefill(slots, groups)
             if ov is not None and ov.queue:
                 for job in ov.ready(block=not any(r is not None for r in slots)):

@@ -179,14 +179,16 @@ class _Recorder:
         self.calls: list[tuple[int, tuple[int, ...], int, list[int]]] = []
         self.shared: list[int] = []  # dynamic shared memory bytes per launch
         self.pdl: list[bool] = []  # launched through cuLaunchKernelEx with programmatic serialization
+        self.prefetch: list[int] = []  # the prefetch_groups argument per launch
 
     def __call__(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
         import ctypes
 
-        n = 7 if fn.value == 1 else 8  # 7 parameters; split-K kernels (handle 2) add the tickets
-        ptrs = (ctypes.c_void_p * n).from_address(params.value)
+        n = 7 if fn.value == 1 else 8  # 7 pointers and M; split-K kernels (handle 2) add the tickets
+        ptrs = (ctypes.c_void_p * (n + 1)).from_address(params.value)
         vals = [ctypes.c_void_p.from_address(ptrs[i]).value or 0 for i in range(n)]
         vals[1] = ctypes.c_int.from_address(ptrs[1]).value  # M
+        self.prefetch.append(ctypes.c_int.from_address(ptrs[n]).value)  # the L2 prefetch groups (last)
         self.calls.append((fn.value, (gx.value, gy.value, gz.value), stream.value or 0, vals))
         self.shared.append(shared.value)
         self.pdl.append(False)
@@ -313,6 +315,33 @@ def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
     assert rec.calls[1][3][0] == x2.data_ptr() and rec.calls[1][3][5] == y2.data_ptr()
     assert rec.calls[1][3][2:] == main[2:5] + [y2.data_ptr(), partials.data_ptr(), tickets.data_ptr()]
     assert len(kern._workspaces) == 1
+
+
+def test_l2_prefetch_setting(fake_gpu, monkeypatch) -> None:
+    """DFLASHGEN_L2_PREFETCH: off by default; "1" prefetches whole streams of sm_90 kernels with at
+    most L2_PREFETCH_MAX_BYTES of weights; k > 1 the first k groups of any; passed as the launch's
+    last argument; bad values are named."""
+    from dflashgen.runtime.kernels import L2_PREFETCH_MAX_BYTES, l2_prefetch_groups
+
+    monkeypatch.delenv("DFLASHGEN_L2_PREFETCH", raising=False)
+    assert l2_prefetch_groups(90, "nvfp4", 5120, 1536) == 0
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "1")
+    assert l2_prefetch_groups(90, "nvfp4", 5120, 1536) >= 1536 // 64  # 4.4 MB: its whole streams
+    assert L2_PREFETCH_MAX_BYTES < 34816 * 5120 * 9 / 16 and l2_prefetch_groups(90, "nvfp4", 34816, 5120) == 0
+    assert l2_prefetch_groups(90, "fp8_channel", 24576, 1024) > 0  # 24 MiB of FP8: at the cap
+    assert l2_prefetch_groups(90, "fp8_channel", 24576 + 16, 1024) == 0
+    assert l2_prefetch_groups(80, "nvfp4", 5120, 1536) == 0  # sm_90 only (a no-op in older kernels)
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "6")
+    assert l2_prefetch_groups(90, "nvfp4", 34816, 5120) == 6
+    make, rec = fake_gpu
+    mod = QuantLinear(_weight("nvfp4", 24, 5120), "in_proj_ba", library=make("nvfp4", 24, 5120, split_k=2))
+    assert mod.prepare(8) is not None  # the prepared (fast) launch: CPU tensors take it with the fake GPU
+    mod(_x(8, 5120))
+    assert rec.calls and rec.prefetch[-1] == 6
+    for bad in ("-1", "yes"):
+        monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", bad)
+        with pytest.raises(ValueError, match="DFLASHGEN_L2_PREFETCH must be an integer >= 0"):
+            l2_prefetch_groups(90, "nvfp4", 5120, 1536)
 
 
 def test_split_k_workspaces_per_stream_per_call_and_under_capture(fake_gpu, monkeypatch) -> None:

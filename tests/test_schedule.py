@@ -132,7 +132,7 @@ def test_x_smem_tiles() -> None:
         shapes = [s[:4] for s in load_space(arch).tiles["x_smem_tiles"]]
         xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma]
         assert {c.tile.rows for c in xs} == ({8, 16, 32, 64} if arch == 90 else {64})
-        assert {c.tile.warp_nt for c in xs} == ({1, 2} if arch == 90 else {1})
+        assert {c.tile.warp_nt for c in xs} == ({1, 2, 4} if arch == 90 else {1})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
         for c in xs:
             t = c.tile
@@ -143,6 +143,8 @@ def test_x_smem_tiles() -> None:
             assert c.smem_bytes() >= c.x_stages * c.kplan.warps_k * t.rows * c.kplan.k_group * 2
             # same K plan as the register tiles of the problem: bitwise-identical rows
             assert c.kplan == k_plan(arch, "nvfp4", 34816, 5120)
+    # warp_nt 4 only where the x_smem list names it: no register-path tile of it
+    assert all(c.tile.x_smem for c in candidates(90, "nvfp4", 8704, 5120) if c.tile.warp_nt == 4)
     assert not any(c.tile.x_smem for c in candidates(70, "nvfp4", 34816, 5120))
     # alternative (split-K) plans keep register-path tiles only
     for fmt, n, k in (("fp8_channel", 34816, 5120), ("nvfp4", 5120, 17408), ("nvfp4", 8704, 5120)):

@@ -32,8 +32,9 @@ using Gemm = dflashgen::SkinnyGemm<Cfg>;
 
 extern "C" __global__ void __launch_bounds__(128)
 dfg_sm80_fp8_silu_n34816_k5120_sk1_wk2_kg32_r32_nt1_wn2_st3_xa1_xs0_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
-    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial) {
+    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
+    int prefetch_groups) {
   __shared__ Gemm::Smem smem;
-  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem);
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, nullptr, prefetch_groups);
 }
 

@@ -37,8 +37,8 @@ using Gemm = dflashgen::SkinnyGemm<Cfg>;
 extern "C" __global__ void __launch_bounds__(256, 4)
 dfg_sm80_fp8_store_n5120_k6144_sk2_wk4_kg32_r8_nt1_wn2_st3_xa1_xs0_mb4(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
     const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
-    unsigned int* __restrict__ tickets) {
+    unsigned int* __restrict__ tickets, int prefetch_groups) {
   __shared__ Gemm::Smem smem;
-  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, tickets);
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, tickets, prefetch_groups);
 }
 

@@ -34,8 +34,9 @@ using Gemm = dflashgen::SkinnyGemm<Cfg>;
 
 extern "C" __global__ void __launch_bounds__(288)
 dfg_sm90_fp8_store_n8704_k5120_sk1_wk2_kg32_wg1_r16_nt1_wn4_st3_xa0_xs1_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
-    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial) {
+    const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
+    int prefetch_groups) {
   __shared__ Gemm::Smem smem;
-  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem);
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, nullptr, prefetch_groups);
 }
 

@@ -39,8 +39,8 @@ using Gemm = dflashgen::SkinnyGemm<Cfg>;
 extern "C" __global__ void __launch_bounds__(160)
 dfg_sm90_nvfp4_store_n4120_k5120_sk4_wk1_kg64_wg1_r64_nt1_wn4_st3_xa0_xs1_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
     const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
-    unsigned int* __restrict__ tickets) {
+    unsigned int* __restrict__ tickets, int prefetch_groups) {
   __shared__ Gemm::Smem smem;
-  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, tickets);
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, smem, tickets, prefetch_groups);
 }
 

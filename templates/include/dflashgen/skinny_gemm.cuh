@@ -51,6 +51,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// `bytes` (a multiple of 16) from a 16-byte aligned global address into L2: a hint, no registers,
+// no effect on results (sm_90 bulk prefetch; a no-op before).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
 
 template <class C, class = void>
 struct CfgWgmma {
@@ -114,7 +121,7 @@ struct SkinnyGemm {
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
                              __half* __restrict__ out, float* __restrict__ partial, Smem& smem,
-                             unsigned int* __restrict__ tickets = nullptr) {
+                             unsigned int* __restrict__ tickets, int prefetch_groups) {
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WG) {
       if (threadIdx.x >= 32 * Cfg::WARPS_N * Cfg::WARPS_K) {  // the activation producer warp
@@ -164,6 +171,22 @@ struct SkinnyGemm {
 #pragma unroll
       for (int j = 0; j < NT8; ++j) xp[j] = xrow[j] + gb * T::KG;
       const int groups = ge - gb;  // >= 1: the schedule never has more K workers than groups
+
+      // prefetch_groups > 0 (the runtime's choice, DFLASHGEN_L2_PREFETCH): lane 0 asks L2 for the
+      // first that many groups of each of its weight (and scale) streams, before pdl_wait(), so
+      // under programmatic dependent launch the bytes start moving while the previous kernel
+      // finishes. A hint: results are the same either way.
+      if (prefetch_groups > 0 && lane == 0) {
+        const int pg = min(prefetch_groups, groups);
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          const size_t g0 = static_cast<size_t>(tile_w + i) * G + gb;
+          prefetch_l2(wq + g0 * 32, static_cast<unsigned>(pg) * 32 * sizeof(uint4));
+          if constexpr (NVFP4)
+            prefetch_l2(static_cast<const typename T::Scale*>(wscale) + g0 * T::SCALE_WORDS,
+                        static_cast<unsigned>(pg) * T::SCALE_WORDS * sizeof(typename T::Scale));
+        }
+      }
 
       // Register pipeline: STAGES groups of weights in flight ahead of the MMAs. Loads past this
       // worker's range stay inside the buffer (prepack pads the streams) and are never used.
