@@ -22,6 +22,8 @@ if want tune; then
   TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
   step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
   cp "$TUNE/nvidia-h200.json" "$OUT/"
+  # every timed candidate per problem and M (losing K plans, e.g. wgmma, included): tune.py timings_us
+  gzip -c "$TUNE/nvidia-h200.measurements.json" > "$OUT/tune-measurements.json.gz"
 fi
 TABLE=$OUT/nvidia-h200.json; [ -f "$TABLE" ] || TABLE=tuning/nvidia-h200.json
 want bench && step dflashgen bench --table "$TABLE" --out "$OUT/bench" 2>&1 | grep -v "bench:" | tail -24
