@@ -1,6 +1,7 @@
 """Where a decode round's time goes (torch.profiler, CUDA + CPU): the full-size Qwen3.8-27B-shaped
 synthetic target with the replay drafter, as ``dflashgen decode-bench`` runs it, profiled over the
-steady-state rounds of one batch of B requests (prefill excluded).
+steady-state rounds of one batch of B requests (prefill excluded: one stalling joint prefill of the
+B prompts, so no prefill runs beside the profiled rounds).
 
     python3 tools/profile_decode.py [--batches 1 8] [--layers 64] [--rounds 12] [--trace DIR]
 
@@ -54,7 +55,7 @@ def main() -> None:
         block = _block_drafter(target, 0)
         max_len = cfg.prompt_len + out_len
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b,
-                          max_len=max_len, num_draft=NUM_DRAFT)
+                          max_len=max_len, num_draft=NUM_DRAFT, overlap_prefill=False)  # all B rows from round 1
         dec.generate(prompts, params, 2 * (NUM_DRAFT + 1))  # warm-up: capture, first-use builds
         rounds = {"n": 0}
         prof_box: dict[str, profile] = {}
