@@ -34,6 +34,8 @@ def _fail(msg: str) -> None:
 # DFLASHGEN_L2_PREFETCH (sm_90): "1" -- each warp asks L2 for its whole weight stream before waiting
 # on the previous kernel (programmatic dependent launch), for weights of at most this many bytes;
 # an integer > 1 -- the first that many K groups of every kernel's streams; unset or "0" -- off.
+# Off by default: measured on the H200 (bench/h200-2026-11-30-s9/call2/ab-pf), "1" made the K = 1536
+# projections 6-10% faster but the K >= 4352 ones up to 20% slower (their own loads queue behind it).
 L2_PREFETCH_MAX_BYTES = 24 << 20
 
 
