@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 # ``family_kernels() -> list[FamilyKernel]``. Their entries land in manifest["families"][name]
 # and are built by `dflashgen build` like any kernel; verify/tune of the GEMMs never see them.
 FAMILY_MODULES: dict[str, str] = {"attention": "dflashgen.attention_family", "gdn": "dflashgen.gdn_family",
-                                  "rejection": "dflashgen.rejection"}
+                                  "norm": "dflashgen.norm_family", "rejection": "dflashgen.rejection"}
 MMA_NAME = {"sm70": "mma.sync.m8n8k4 / HMMA.884", "sm80": "mma.sync.m16n8k16 / HMMA.16816"}
 WGMMA_NAME = "wgmma.m64nNk16, A from registers, B from shared memory / HGMMA; sm_90a"
 

@@ -66,6 +66,7 @@ from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary, mul_to, silu_mul
+from .norm_kernel import add_rmsnorm, fused_available
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -451,6 +452,10 @@ class TargetModel(torch.nn.Module):
         self.device = torch.device(device)
         self.act_dtype = act_dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
         self.eps = cfg.rms_norm_eps
+        # The residual add + RMSNorm + FP16 cast of each norm site as one generated kernel (CUDA, FP16
+        # projections); DFLASHGEN_FUSED_NORM=0: torch's three ops (an A/B switch).
+        self.fused_norm = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_NORM", "1") != "0"
+                           and fused_available(self.device, cfg.hidden_size))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
@@ -578,18 +583,18 @@ class TargetModel(torch.nn.Module):
         cos, sin = emb.cos().float()[:, :, None], emb.sin().float()[:, :, None]  # [B, T, 1, rd]
 
         h = self.w["model.embed_tokens.weight"][tokens]
+        r: Tensor | None = None  # the last sublayer's output, added to h by the next norm site
         for i, lt in enumerate(self.cfg.layer_types):
             p = f"model.layers.{i}"
-            x = _rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
-            if lt == FULL:
-                h = h + self._attention(i, x, pos, cos, sin, state)
-            else:
-                h = h + self._gdn(i, x, state, n_new, keep)
-            h = h + self._mlp(i, _rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps))
+            h, x = self._add_norm(h, r, f"{p}.input_layernorm.weight")
+            r = self._attention(i, x, pos, cos, sin, state) if lt == FULL else self._gdn(i, x, state, n_new, keep)
+            h, x = self._add_norm(h, r, f"{p}.post_attention_layernorm.weight")
+            r = self._mlp(i, x)
             if i in tap_set:
+                h, r = h + r, None
                 tapped[i] = h
             yield i
-        out = (self._lin(self.lm_head, _rms_norm(h, self.w["model.norm.weight"], self.eps)) if logits
+        out = (self._lin(self.lm_head, self._add_norm(h, r, "model.norm.weight")[1]) if logits
                else h.new_empty(b, t, 0))
 
         if keep:
@@ -599,6 +604,16 @@ class TargetModel(torch.nn.Module):
         state.lengths.copy_(base + (n_new if n_new is not None else t))
         state._armed = 0
         return out if taps is None else (out, {i: tapped[i] for i in taps})
+
+    def _add_norm(self, h: Tensor, r: Tensor | None, name: str) -> tuple[Tensor, Tensor]:
+        """(h + r, the RMSNorm ``name`` of it); r: a sublayer's output, or None (nothing to add). On
+        CUDA one generated kernel (:func:`~.norm_kernel.add_rmsnorm`) whose output is already the
+        projections' FP16 input; otherwise torch's add and FP32 ``rms_norm`` (the consumers cast)."""
+        w = self.w[name]
+        if self.fused_norm and (r is None or (r.dtype is torch.float16 and r.is_contiguous())) and h.is_contiguous():
+            return add_rmsnorm(h, r, w, self.eps)
+        h = h if r is None else h + r
+        return h, _rms_norm(h, w, self.eps)
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         """down(SiLU(gate) * up) in ``act_dtype`` (the residual add upcasts it exactly). SiLU(gate) * up

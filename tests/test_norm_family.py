@@ -1,0 +1,101 @@
+"""The fused residual add + RMSNorm family ("norm"): rendering, manifest entries, kernel choice, the
+torch reference and its input checks, the decoder's norm sites on the CPU path (the same ops in the
+same order as before the fusion), and the sm_70 (NVRTC + ptxas 12.9) / sm_90 (nvcc, when present)
+compiles without spills. The kernel against the reference runs on a GPU (tests/test_gpu_norm.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflashgen.runtime import norm_kernel
+from dflashgen.runtime.norm_kernel import NormInputError, add_rmsnorm, fused_available, reference_add_rmsnorm
+
+from dflashgen import norm_family
+from dflashgen.build import build
+from dflashgen.model import load_model_config
+from dflashgen.render import FAMILY_MODULES, family_kernels, generated_dir, load_manifest
+from dflashgen.toolchain import parse_ptxas_log
+
+HIDDEN = load_model_config(None).hidden_size  # Qwen3.8-27B: 5120
+
+
+def test_family_renders_specialised_and_generic_kernels() -> None:
+    assert FAMILY_MODULES["norm"] == "dflashgen.norm_family"
+    ks = family_kernels("norm")
+    assert {(k.arch, k.meta["hidden"]) for k in ks} == {(a, h) for a in (70, 80, 90) for h in (HIDDEN, None)}
+    again = {k.name: k.source for k in family_kernels("norm")}
+    for k in ks:
+        assert again[k.name] == k.source  # deterministic
+        h = k.meta["hidden"]
+        assert k.name == f"dfg_sm{k.arch}_addrmsnorm_h{h or 'any'}_t512"  # every parameter in the name
+        assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/add_rmsnorm.cuh>" in k.source
+        assert f"{k.name}(" in k.source and f"add_rmsnorm<512, {h or 0}>" in k.source  # the specialisation only
+
+
+def test_manifest_lists_the_family_and_files_exist() -> None:
+    entries = load_manifest()["families"]["norm"]
+    assert len(entries) == 6
+    for e in entries:
+        assert (generated_dir() / e["file"]).is_file() and e["family"] == "norm"
+        assert e["threads"] == norm_family.THREADS == 512
+
+
+def test_kernel_choice_prefers_the_specialised_hidden_size() -> None:
+    assert norm_kernel._entry(90, HIDDEN)["name"] == f"dfg_sm90_addrmsnorm_h{HIDDEN}_t512"
+    assert norm_kernel._entry(70, 64)["name"] == "dfg_sm70_addrmsnorm_hany_t512"  # generic: any multiple of 4
+    assert not fused_available("cpu", HIDDEN)  # CPU: torch's ops
+
+
+@pytest.mark.parametrize("arch", [70, 80, 90])
+def test_family_compiles_without_spills(arch: int) -> None:
+    if arch != 70 and shutil.which("nvcc") is None:
+        pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
+    res = build([arch], only="_addrmsnorm_", progress=False)
+    assert len(res.resources()) == 2
+    for a in res.artifacts.values():
+        entries = parse_ptxas_log(a.log.read_text())
+        assert set(entries) == {a.name}
+        assert not entries[a.name]["spill_stores"] and not entries[a.name]["spill_loads"], entries
+        assert f".entry {a.name}(" in a.ptx.read_text()
+
+
+def test_reference_is_torchs_add_and_rms_norm() -> None:
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 5, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    y = torch.randn(3, 5, 64, generator=g).half()
+    hn, x = add_rmsnorm(h, y, w, 1e-6)  # CPU: the reference
+    assert torch.equal(hn, h + y) and x.dtype == torch.float16
+    assert torch.equal(x, F.rms_norm(h + y, (64,), w, 1e-6).half())
+    hn0, x0 = reference_add_rmsnorm(h, None, w, 1e-6)
+    assert hn0 is h and torch.equal(x0, F.rms_norm(h, (64,), w, 1e-6).half())
+
+
+def test_input_checks_name_the_tensor() -> None:
+    h, w = torch.zeros(2, 64), torch.ones(64)
+    norm_kernel._check(h, torch.zeros(2, 64).half(), w)  # fine
+    cases = [((h.double(), None, w), "h must be"), ((h[:, :62].contiguous(), None, w[:62]), "multiple of 4"),
+             ((h.t().contiguous().t(), None, w), "h must be"), ((h, torch.zeros(2, 64), w), "y must be float16"),
+             ((h, torch.zeros(2, 32).half(), w), "y must be"),
+             ((h, torch.zeros(64, 2).half().t(), w), "y must be contiguous"),
+             ((h, None, torch.ones(32)), "w must be"), ((h, None, w.half()), "w must be")]
+    for args, match in cases:
+        with pytest.raises(NormInputError, match=match):
+            norm_kernel._check(*args)
+
+
+def test_target_norm_sites_on_cpu_are_the_unfused_ops() -> None:
+    """TargetModel._add_norm on CPU: h + r then FP32 rms_norm, bitwise the pre-fusion ops."""
+    from types import SimpleNamespace
+
+    from dflashgen.runtime.target import TargetModel, _rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    h, r, w = torch.randn(2, 3, 32, generator=g), torch.randn(2, 3, 32, generator=g).half(), torch.rand(32, generator=g)
+    fake = SimpleNamespace(w={"n": w}, eps=1e-6, fused_norm=False)
+    hn, x = TargetModel._add_norm(fake, h, r, "n")  # type: ignore[arg-type]
+    assert torch.equal(hn, h + r) and torch.equal(x, _rms_norm(h + r, w, 1e-6)) and x.dtype == torch.float32
+    h0, x0 = TargetModel._add_norm(fake, h, None, "n")  # type: ignore[arg-type]
+    assert h0 is h and torch.equal(x0, _rms_norm(h, w, 1e-6))
