@@ -11,6 +11,12 @@ least 16 CTAs per SM, i.e. at most 64 registers; ``dyn``: dynamic shared memory 
 T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and q / k / u staged
 as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
 
+Plus one glue kernel pair per arch, ``templates/gdn_io.cu.j2`` (``dfg_sm90_gdnio_w4_d256``, manifest
+``mode: "io"``; logic in ``templates/include/dflashgen/gdn_io.cuh``): ``<name>`` (inputs: the causal
+conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per position) and
+``<name>_gate`` (the gated RMSNorm with SiLU(z), FP16 out) -- what the target ran as ~20 torch
+launches per layer; dims at run time, head dims up to 256.
+
 Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2``
 (``dfg_sm90_gdnpf_dk128_s16_r16_c4_w2_mb8``, manifest ``mode: "prefill"``): the same position body
 over any T in one launch (positions staged 16 at a time), committing the state after n[b] positions
@@ -25,8 +31,8 @@ from . import __version__
 from .model import load_model_config
 from .render import FamilyKernel, _env
 
-__all__ = ["ARCHS", "MAX_T", "PREFILL_CHUNK", "ROW_LANES", "WARPS", "family_kernels", "kernel_name", "key_dims",
-           "prefill_kernel_name"]
+__all__ = ["ARCHS", "IO_MAX_D", "IO_WARPS", "MAX_T", "PREFILL_CHUNK", "ROW_LANES", "WARPS", "family_kernels",
+           "io_kernel_name", "kernel_name", "key_dims", "prefill_kernel_name"]
 
 ARCHS = (70, 80, 90)
 MAX_T = 16  # positions per launch: the verify block (8) and the target's small-chunk limit
@@ -43,6 +49,8 @@ MIN_BLOCKS = 8
 STEP_MIN_BLOCKS = 16
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
+IO_WARPS = 4  # glue kernels: one warp per (position, head), 4 per CTA (TP1 B1 T8: 8 x 20 CTAs)
+IO_MAX_D = 256  # head dims the glue kernels take (gdn_io.cuh MAX_D: 8 channels per lane)
 
 
 def step_smem_per_t(dk: int) -> int:
@@ -70,6 +78,15 @@ def key_dims() -> tuple[int, ...]:
     return tuple(sorted({load_model_config(None).linear_key_head_dim or 128, 16, 32, 64, 128}))
 
 
+def io_kernel_name(arch: int) -> str:
+    return f"dfg_sm{arch}_gdnio_w{IO_WARPS}_d{IO_MAX_D}"
+
+
+def render_io(arch: int) -> str:
+    return _env().get_template("gdn_io.cu.j2").render(
+        version=__version__, name=io_kernel_name(arch), arch=arch, warps=IO_WARPS, max_d=IO_MAX_D)
+
+
 def render(arch: int, dk: int) -> str:
     return _env().get_template("gdn.cu.j2").render(
         version=__version__, name=kernel_name(arch, dk), arch=arch, dk=dk, maxt=MAX_T, warps=WARPS,
@@ -91,4 +108,7 @@ def family_kernels() -> list[FamilyKernel]:
     prefills = [FamilyKernel(prefill_kernel_name(arch, dk), arch, render_prefill(arch, dk),
                              {"dk": dk, "chunk": PREFILL_CHUNK, "threads": THREADS, "cols": COLS, "mode": "prefill"})
                 for arch in ARCHS for dk in key_dims()]
-    return steps + prefills
+    io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
+                       {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D})
+          for arch in ARCHS]
+    return steps + prefills + io

@@ -64,6 +64,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
+from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary, mul_to, silu_mul
 from .norm_kernel import add_rmsnorm, fused_available
@@ -72,7 +73,6 @@ from .parallel import TPContext, wrap_projections
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
 
 Tensor = torch.Tensor
-_L2_EPS = 1e-6  # as in HF / FLA l2norm
 
 
 R = TypeVar("R")
@@ -403,12 +403,6 @@ def _rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
     return F.rms_norm(x, x.shape[-1:], w, eps)  # x * rsqrt(mean(x^2) + eps) * w; fused on CUDA
 
 
-def _l2_norm(x: Tensor, scale: float = 1.0) -> Tensor:
-    """scale * x * rsqrt(sum(x^2) + eps), as one RMSNorm: sum = n * mean, so eps -> eps / n."""
-    n = x.shape[-1]
-    return _rms_norm(x, None, _L2_EPS / n) * (scale / math.sqrt(n))
-
-
 def dequantized_projections(model: TargetModel) -> dict[str, torch.nn.Module]:
     """Every projection of ``model`` dequantized once into an FP32 ``nn.Linear`` (logical row
     order, so a fused gate|up takes the unfused SiLU path): the fast, deterministic CPU path (the
@@ -456,6 +450,11 @@ class TargetModel(torch.nn.Module):
         # projections); DFLASHGEN_FUSED_NORM=0: torch's three ops (an A/B switch).
         self.fused_norm = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_NORM", "1") != "0"
                            and fused_available(self.device, cfg.hidden_size))
+        # The GDN layers' glue (conv, SiLU, q / k norms, beta / decay; the gated norm) as the generated io
+        # kernels (CUDA, FP16 projections); DFLASHGEN_GDN_IO=0: torch's ops (an A/B switch).
+        gdn_dims = _gdn_dims(cfg)
+        self.gdn_io = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_GDN_IO", "1") != "0"
+                       and io_available(self.device, gdn_dims[2], gdn_dims[3]))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
@@ -705,7 +704,7 @@ class TargetModel(torch.nn.Module):
         # exactly inside the cat below, z / b / a (FP32 math) in one small cast
         c = 2 * nk * dk + nv * dv
         mixed, zba = self._proj(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv + 2 * nv], dim=-1)
-        z, bet, a = zba.float().split([nv * dv, nv, nv], dim=-1)
+        io = self.gdn_io and zba.dtype is torch.float16  # the generated glue kernels (gdn_io)
 
         # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
         # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
@@ -717,45 +716,48 @@ class TargetModel(torch.nn.Module):
             cat = torch.cat(parts, dim=1).transpose(1, 2)
         if t <= _SMALL_CHUNK or (not keep and _sequential_prefill(x.device, dk)):
             # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness)
-            o = self._gdn_steps(i, cat, bet, a, state, n_new, keep)
+            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io)
         else:
+            bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
-        o = _rms_norm(o, self.w[f"{p}.norm.weight"], self.eps)  # [B, T, Hv, dv]
-        o = mul_to(o, F.silu(z.reshape(b, t, nv, dv)), self.act_dtype)  # FP32 gate, stored as out_proj's input
-        return self._proj(self._p(i, "out_proj"), o.reshape(b, t, nv * dv))  # act_dtype: the residual upcasts
+        # gated RMSNorm with SiLU(z) (FP32), rounded once to out_proj's input dtype
+        w = self.w[f"{p}.norm.weight"]
+        o = (gdn_gate(o.contiguous(), zba, w, self.eps) if io
+             else reference_gate(o, zba[..., :nv * dv], w, self.eps, self.act_dtype))
+        return self._proj(self._p(i, "out_proj"), o)  # act_dtype: the residual upcasts
 
-    def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor, b: int, t: int,
+    def _gdn_inputs(self, i: int, conv: Tensor, bet: Tensor, a: Tensor,
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """q, k [B, T, Hk, dk] (L2-normalised, q scaled), v [B, T, Hv, dv] (a strided view), beta and
         log decay [B, T, Hv] from the conv output [B, C, T] and the b / a segments of in_proj_qkvzba."""
         _, _, dk, dv, _ = _gdn_dims(self.cfg)
         _, _, nk, nv = self.heads
-        mixed = F.silu(conv).transpose(1, 2)
-        q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-        q = _l2_norm(q.reshape(b, t, nk, dk), dk**-0.5).contiguous()  # no-ops: time-major conv output
-        k = _l2_norm(k.reshape(b, t, nk, dk)).contiguous()
-        beta = torch.sigmoid(bet).contiguous()
-        log_decay = (self.neg_a[i] * F.softplus(a + self.w[f"model.layers.{i}.linear_attn.dt_bias"])).contiguous()
-        return q, k, v.reshape(b, t, nv, dv), beta, log_decay  # log decay = -A * dt
+        return reference_post_conv(conv, bet, a, self.neg_a[i], self.w[f"model.layers.{i}.linear_attn.dt_bias"],
+                                   nk, dk, nv, dv)
 
-    def _gdn_steps(self, i: int, cat: Tensor, bet: Tensor, a: Tensor, state: DecodeState, n_new: Tensor | None,
-                   keep: bool) -> Tensor:
+    def _gdn_steps(self, i: int, cat: Tensor, zba: Tensor, state: DecodeState, n_new: Tensor | None,
+                   keep: bool, io: bool) -> Tensor:
         """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA), an
         unarmed T > 16 (prefill) through :func:`~.gdn_kernel.gdn_prefill` (one launch, commit only):
         position by position, so any T, batch and accepted length round exactly like one-token
         decoding. The conv is an explicit W-tap sum in a fixed order (no cuDNN algorithm choice per
         shape). Armed (``keep``, T <= 16): the state stays, k / u / decays go to the stacked rollback
-        buffers. Returns o [B, T, Hv, dv]."""
+        buffers. ``io``: conv, SiLU, norms, beta and decay in one generated launch (:func:`~.gdn_io.gdn_inputs`,
+        the same per-position arithmetic for any T). Returns o [B, T, Hv, dv]."""
         b, c, span = cat.shape
         width = self.cfg.linear_conv_kernel_dim or 1
         t = span - (width - 1)
         wt = self.w[f"model.layers.{i}.linear_attn.conv1d.weight"].view(c, width, 1)
-        conv = cat[..., 0:t] * wt[:, 0]
-        # separate IEEE mul and add (not addcmul, whose FMA contraction could differ between the
-        # vectorized and strided elementwise kernels torch picks per shape)
-        for tap in range(1, width):
-            conv = conv + cat[..., tap:tap + t] * wt[:, tap]
-        q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
+        _, _, dk, dv, _ = _gdn_dims(self.cfg)
+        _, _, nk, nv = self.heads
+        cat_tm = cat.transpose(1, 2)  # the time-major tensor torch.cat made (_gdn)
+        dt_bias = self.w[f"model.layers.{i}.linear_attn.dt_bias"]
+        if io and cat_tm.is_contiguous():
+            q, k, v, beta, log_decay = gdn_inputs(cat_tm, zba, wt.view(c, width), dt_bias, self.neg_a[i],
+                                                  (nk, dk, nv, dv))
+        else:
+            bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
+            q, k, v, beta, log_decay = self._gdn_inputs(i, reference_conv(cat, wt, t), bet, a)
         s0 = state.ssm[i]
         if keep:
             j = state.gdn_index[i]
@@ -779,7 +781,7 @@ class TargetModel(torch.nn.Module):
         t = span - (width - 1)
         p = f"model.layers.{i}.linear_attn"
         conv = F.conv1d(cat, self.w[f"{p}.conv1d.weight"].view(c, 1, width), groups=c)
-        q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a, b, t)
+        q, k, v, beta, log_decay = self._gdn_inputs(i, conv, bet, a)
         nv = self.heads[3]
         q, k = per_value_head(q, nv).transpose(1, 2), per_value_head(k, nv).transpose(1, 2)  # [B, Hv, T, dk]
         v, beta, log_decay = v.transpose(1, 2), beta.transpose(1, 2), log_decay.transpose(1, 2)

@@ -50,7 +50,13 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     every = family_kernels("gdn")
     ks = [k for k in every if k.meta["mode"] == "step"]
     pf = [k for k in every if k.meta["mode"] == "prefill"]
-    assert len(ks) + len(pf) == len(every)
+    io = [k for k in every if k.meta["mode"] == "io"]
+    assert len(ks) + len(pf) + len(io) == len(every)
+    assert {k.name for k in io} == {f"dfg_sm{a}_gdnio_w4_d256" for a in (70, 80, 90)}
+    for k in io:  # one pair per arch, dims at run time
+        assert f"{k.name}(" in k.source and f"{k.name}_gate(" in k.source
+        assert "#include <dflashgen/gdn_io.cuh>" in k.source
+        assert "inputs<4>(" in k.source and "gate<4>(" in k.source and (k.meta["warps"], k.meta["max_d"]) == (4, 256)
     assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     assert {(k.arch, k.meta["dk"]) for k in pf} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     for k in pf:
@@ -72,10 +78,12 @@ def test_family_renders_every_arch_and_key_dim() -> None:
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
     entries = load_manifest()["families"]["gdn"]
-    assert len(entries) == 2 * 3 * len(gdn_family.key_dims())
+    assert len(entries) == 2 * 3 * len(gdn_family.key_dims()) + 3
     for e in entries:
         assert (generated_dir() / e["file"]).is_file() and e["family"] == "gdn"
-        if e["mode"] == "step":
+        if e["mode"] == "io":
+            assert (e["threads"], e["warps"], e["max_d"]) == (128, 4, 256)
+        elif e["mode"] == "step":
             assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
             assert e["smem_per_t"] == 4 * (2 * e["dk"] + 18) and e["advance_smem_per_t"] == 4 * (e["dk"] + 17)
         else:
@@ -86,11 +94,15 @@ def test_manifest_lists_the_family_and_files_exist() -> None:
 def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
-    res = build([arch], only="_gdn(pf)?_", progress=False)
-    assert len(res.resources()) == 2 * len(gdn_family.key_dims())
+    res = build([arch], only="_gdn(pf|io)?_", progress=False)
+    assert len(res.resources()) == 2 * len(gdn_family.key_dims()) + 1
     for a in res.artifacts.values():
         entries = parse_ptxas_log(a.log.read_text())
         prefill = "_gdnpf_" in a.name
+        if "_gdnio_" in a.name:
+            assert set(entries) == {a.name, a.name + "_gate"}
+            assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
+            continue
         assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance"})
         assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
         ptx = a.ptx.read_text()
