@@ -1,4 +1,6 @@
-"""The fused residual add + RMSNorm (generated family ``norm``) and its torch reference.
+"""The decoder's norm kernels (generated family ``norm``) and their torch formulations: the fused
+residual add + RMSNorm of every norm site (:func:`add_rmsnorm`) and a full-attention layer's q / k
+RMSNorm + RoPE with the KV-cache writes (:func:`qk_norm_rope`).
 
 :func:`add_rmsnorm` computes, per row of ``h [..., H]`` (FP32, the residual stream) and the
 sublayer output ``y`` (FP16, or None for no add)::
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 from .driver import ArgPack, current_stream
 from .images import family_entries, load_module, serving_arch
 
-__all__ = ["NormInputError", "add_rmsnorm", "fused_available", "reference_add_rmsnorm"]
+__all__ = ["NormInputError", "add_rmsnorm", "fused_available", "qk_norm_rope", "qk_rope_available",
+           "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_"]
 
 Tensor = torch.Tensor
 
@@ -51,7 +54,7 @@ def kernel_arch(device: torch.device, arch: int | None = None) -> int:
 
 @cache
 def _entries() -> tuple[dict[str, Any], ...]:
-    return tuple(family_entries("norm").values())
+    return tuple(e for e in family_entries("norm").values() if e.get("kind", "add_rmsnorm") == "add_rmsnorm")
 
 
 def _entry(arch: int, hidden: int) -> dict[str, Any] | None:
@@ -138,3 +141,116 @@ def add_rmsnorm(h: Tensor, y: Tensor | None, w: Tensor, eps: float, *,
             slot.value = val
         kern.fn.launch_pack((rows, 1, 1), (kern.threads, 1, 1), a, current_stream(idx))
     return h_out, x
+
+
+# --------------------------------------------------------------------------- attention inputs
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor, rd: int) -> Tensor:
+    """RoPE on x's first ``rd`` channels, IN PLACE (x: a fresh tensor the caller owns); returns x.
+    ``r * cos + rotate_half(r) * sin`` half by half (cos / sin ``[..., rd]`` repeat over the halves):
+    a*c - b*s and b*c + a*s are bitwise a*c + (-b)*s and b*c + a*s, and the other channels (3/4 of
+    them at partial_rotary_factor 0.25) are not copied."""
+    h = rd // 2
+    a, b = x[..., :h], x[..., h:2 * h]
+    c, s = cos[..., :h], sin[..., :h]
+    a_s, b_s = a * s, b * s
+    a.mul_(c).sub_(b_s)
+    b.mul_(c).add_(a_s)
+    return x
+
+
+def reference_qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor,
+                           sin: Tensor, rd: int, pos: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+    """torch's ops: q / k ``[B, T, H, D]`` (any float, any strides) RMS-normed and rotated in FP32; k and
+    v ``[B, T, Hkv, D]`` written into the caches ``[B, L, Hkv, D]`` at ``pos [B, T]``; returns q."""
+    d = q.shape[-1]
+    q = rope_(F.rms_norm(q.float(), (d,), q_w, eps), cos, sin, rd)
+    k = rope_(F.rms_norm(k.float(), (d,), k_w, eps), cos, sin, rd)
+    rows = torch.arange(q.shape[0], device=q.device)[:, None]
+    kc[rows, pos] = k.to(kc.dtype)
+    vc[rows, pos] = v.to(vc.dtype)
+    return q
+
+
+@cache
+def _qk_entries() -> tuple[dict[str, Any], ...]:
+    return tuple(e for e in family_entries("norm").values() if e.get("kind") == "qk_rope")
+
+
+def _qk_entry(arch: int) -> dict[str, Any] | None:
+    return next((e for e in _qk_entries() if e["arch"] == arch), None)
+
+
+def qk_rope_available(device: torch.device | str, head_dim: int, arch: int | None = None) -> bool:
+    """Whether :func:`qk_norm_rope` launches the generated kernel here (manifest only)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    try:
+        e = _qk_entry(kernel_arch(dev, arch))
+    except (NormInputError, RuntimeError):
+        return False
+    return e is not None and head_dim <= int(e["max_d"])
+
+
+class _QkKernel:
+    def __init__(self, entry: dict[str, Any], device_index: int) -> None:
+        self.name, self.warps = entry["name"], int(entry["warps"])
+        self.fn = load_module(entry, device_index).function(self.name)
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        self.args = ArgPack([p, ll, i, i, i, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, p, ll, ll])
+
+
+_QK: dict[tuple[int, int], _QkKernel] = {}
+
+
+def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: int, q_w: Tensor, k_w: Tensor,
+                 eps: float, cos: Tensor, sin: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, *,
+                 arch: int | None = None) -> Tensor:
+    """One launch for a full-attention layer's inputs from the q|k|v projection output ``qkv [B, T, N]``
+    (FP16, rows evenly spaced, heads ``(Hq, Hkv)``, per q head D or D + D gate channels): q ``[B, T, Hq, D]``
+    FP32 RMS-normed (``q_w``) and rotated (first ``rd`` channels; ``cos`` / ``sin`` ``[B, T, 1, rd]``
+    FP32), k likewise (``k_w``) and v written into the FP16 caches ``kc`` / ``vc`` ``[B, L, Hkv, D]``
+    (contiguous) at ``pos [B, T]`` (int64). Returns q."""
+    hq, hkv = heads
+    b, t, n = qkv.shape
+    dev = qkv.device
+    if qkv.dtype != torch.float16 or qkv.stride(2) != 1 or (b > 1 and qkv.stride(0) != t * qkv.stride(1)):
+        raise NormInputError(f"qkv must be float16 with contiguous channels and evenly spaced rows, got "
+                             f"{qkv.dtype} strides {qkv.stride()}")
+    if n < hq * d * (2 if gated else 1) + 2 * hkv * d or rd % 2 or not 0 <= rd <= d:
+        raise NormInputError(f"qkv [B, T, {n}] does not hold {hq} + 2 x {hkv} heads of {d} (gated {gated}, rd {rd})")
+    for name, c in (("kc", kc), ("vc", vc)):
+        if c.dtype != torch.float16 or c.dim() != 4 or c.shape[0] != b or tuple(c.shape[2:]) != (hkv, d) \
+                or not c.is_contiguous() or c.device != dev:
+            raise NormInputError(f"{name} must be a contiguous float16 cache [{b}, L, {hkv}, {d}] on {dev}, got "
+                                 f"{c.dtype} {tuple(c.shape)}")
+    if pos.dtype != torch.long or tuple(pos.shape) != (b, t) or not pos.is_contiguous():
+        raise NormInputError(f"pos must be contiguous int64 [{b}, {t}], got {pos.dtype} {tuple(pos.shape)}")
+    for name, x, shape in (("cos", cos, (b, t, 1, rd)), ("sin", sin, (b, t, 1, rd)), ("q_w", q_w, (d,)),
+                           ("k_w", k_w, (d,))):
+        if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device != dev:
+            raise NormInputError(f"{name} must be contiguous float32 {list(shape)} on {dev}, got {x.dtype} "
+                                 f"{list(x.shape)}")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    a_ = kernel_arch(dev, arch)
+    if (a_, idx) not in _QK:
+        e = _qk_entry(a_)
+        if e is None or d > int(e["max_d"]):
+            raise NormInputError(f"no sm_{a_} q / k norm + RoPE kernel for head dim {d}: run `dflashgen generate`")
+        _QK[(a_, idx)] = _QkKernel(e, idx)
+    kern = _QK[(a_, idx)]
+    q = torch.empty((b, t, hq, d), device=dev)
+    if b * t == 0:
+        return q
+    a = kern.args
+    with a.lock:
+        vals = (qkv.data_ptr(), qkv.stride(1), t, hq, hkv, d, int(gated), rd, q_w.data_ptr(), k_w.data_ptr(), eps,
+                cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                kc.stride(0), kc.stride(1))
+        for slot, val in zip(a.values, vals, strict=True):
+            slot.value = val
+        kern.fn.launch_pack((b * t, -(-(hq + 2 * hkv) // kern.warps), 1), (32 * kern.warps, 1, 1), a,
+                            current_stream(idx))
+    return q

@@ -67,7 +67,7 @@ from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary, mul_to, silu_mul
-from .norm_kernel import add_rmsnorm, fused_available
+from .norm_kernel import add_rmsnorm, fused_available, qk_norm_rope, qk_rope_available, reference_qk_norm_rope
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -450,6 +450,10 @@ class TargetModel(torch.nn.Module):
         # projections); DFLASHGEN_FUSED_NORM=0: torch's three ops (an A/B switch).
         self.fused_norm = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_NORM", "1") != "0"
                            and fused_available(self.device, cfg.hidden_size))
+        # A full-attention layer's q / k norms, RoPE and cache writes as one generated kernel (CUDA, FP16
+        # projections and caches); DFLASHGEN_FUSED_QK=0: torch's ops (an A/B switch).
+        self.fused_qk = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_QK", "1") != "0"
+                         and qk_rope_available(self.device, cfg.head_dim))
         # The GDN layers' glue (conv, SiLU, q / k norms, beta / decay; the gated norm) as the generated io
         # kernels (CUDA, FP16 projections); DFLASHGEN_GDN_IO=0: torch's ops (an A/B switch).
         gdn_dims = _gdn_dims(cfg)
@@ -624,19 +628,6 @@ class TargetModel(torch.nn.Module):
             y = silu_mul(*y.chunk(2, dim=-1), self.act_dtype)
         return self._proj(self._p(i, "down_proj"), y)
 
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE on x's first ``rotary_dim`` channels, IN PLACE (x: a fresh tensor the caller owns);
-        returns x. ``r * cos + rotate_half(r) * sin`` half by half (cos / sin repeat over the halves):
-        a*c - b*s and b*c + a*s are bitwise a*c + (-b)*s and b*c + a*s, and the other channels
-        (3/4 of them at partial_rotary_factor 0.25) are not copied."""
-        h = self.rotary_dim // 2
-        a, b = x[..., :h], x[..., h:2 * h]
-        c, s = cos[..., :h], sin[..., :h]
-        a_s, b_s = a * s, b * s
-        a.mul_(c).sub_(b_s)
-        b.mul_(c).add_(a_s)
-        return x
-
     def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
@@ -651,12 +642,16 @@ class TargetModel(torch.nn.Module):
             q, gate = qg[..., :d], qg[..., d:]
         else:
             q = qg.view(b, t, nh, d)
-        q = self._rope(_rms_norm(q.float(), self.w[f"{p}.q_norm.weight"], self.eps), cos, sin)
-        k = self._rope(_rms_norm(k.view(b, t, nkv, d).float(), self.w[f"{p}.k_norm.weight"], self.eps), cos, sin)
         kc, vc = state.k[i], state.v[i]
-        rows = torch.arange(b, device=x.device)[:, None]
-        kc[rows, pos] = k.to(kc.dtype)
-        vc[rows, pos] = v.view(b, t, nkv, d).to(vc.dtype)
+        q_w, k_w = self.w[f"{p}.q_norm.weight"], self.w[f"{p}.k_norm.weight"]
+        if (self.fused_qk and qkv.dtype is torch.float16 and kc.dtype is torch.float16 and vc.dtype is torch.float16
+                and kc.is_contiguous() and vc.is_contiguous()):
+            # q / k norms, RoPE and the cache writes in one generated launch (norm_kernel.qk_norm_rope)
+            q = qk_norm_rope(qkv, (nh, nkv), d, bool(cfg.attn_output_gate), self.rotary_dim, q_w, k_w, self.eps,
+                             cos, sin, pos, kc, vc)
+        else:
+            q = reference_qk_norm_rope(q, k.view(b, t, nkv, d), v.view(b, t, nkv, d), q_w, k_w, self.eps, cos, sin,
+                                       self.rotary_dim, pos, kc, vc)
         # The generated verify-attention kernel on CUDA (FP16/FP8 cache) for decode / verify forwards;
         # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
         # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.

@@ -117,3 +117,61 @@ def test_target_fused_norm_sites_match_torch_ops(tmp_path) -> None:
     assert err <= 1e-2, err
     assert bool((fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9)
     print(f"fused vs unfused norm sites: logits rel {err:.2e}")
+
+
+# --------------------------------------------------------------------------- attention inputs
+
+
+def _qk_case(b: int, t: int, hq: int, hkv: int, d: int, gated: bool, rd: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = hq * d * (2 if gated else 1) + 2 * hkv * d
+    qkv = (torch.randn(b, t, n + 8, generator=g, device="cuda") * 2).half()[..., :n]  # evenly spaced rows
+    length = 64
+    pos = torch.stack([torch.randperm(length, generator=torch.Generator().manual_seed(seed + r))[:t].sort().values
+                       for r in range(b)]).cuda()  # distinct cache rows per request
+    ang = torch.randn(b, t, 1, rd // 2, generator=g, device="cuda")
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    q_w, k_w = torch.rand(d, generator=g, device="cuda") + 0.5, torch.rand(d, generator=g, device="cuda") + 0.5
+    kc = torch.zeros(b, length, hkv, d, dtype=torch.float16, device="cuda")
+    return qkv, pos, cos, sin, q_w, k_w, kc, torch.zeros_like(kc)
+
+
+def _qk_views(qkv: torch.Tensor, hq: int, hkv: int, d: int, gated: bool):
+    b, t, _ = qkv.shape
+    qg, k, v = qkv.split([hq * d * (2 if gated else 1), hkv * d, hkv * d], dim=-1)
+    q = qg.reshape(b, t, hq, 2 * d)[..., :d] if gated else qg.reshape(b, t, hq, d)
+    return q, k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("hq", "hkv", "d", "gated", "rd"), [(24, 4, 256, True, 64), (6, 1, 256, True, 64),
+                                                             (4, 2, 64, False, 64), (3, 1, 40, True, 16)])
+def test_qk_norm_rope_equals_reference(arch: str | int, hq: int, hkv: int, d: int, gated: bool, rd: int) -> None:
+    from dflashgen.runtime.norm_kernel import qk_norm_rope, reference_qk_norm_rope
+
+    for b, t in ((1, 1), (3, 8), (2, 24)):
+        qkv, pos, cos, sin, q_w, k_w, kc, vc = _qk_case(b, t, hq, hkv, d, gated, rd, seed=b * 10 + t)
+        q = qk_norm_rope(qkv, (hq, hkv), d, gated, rd, q_w, k_w, 1e-6, cos, sin, pos, kc, vc, arch=_arch(arch))
+        rk, rv = torch.zeros_like(kc), torch.zeros_like(vc)
+        rq = reference_qk_norm_rope(*_qk_views(qkv, hq, hkv, d, gated), q_w, k_w, 1e-6, cos, sin, rd, pos, rk, rv)
+        torch.cuda.synchronize()
+        assert q.shape == (b, t, hq, d) and _rel(q, rq) <= 1e-5, _rel(q, rq)
+        assert torch.equal(vc, rv)  # v: a copy
+        assert _rel(kc, rk) <= 1e-3 and torch.equal(kc != 0, rk != 0)  # k: FP16 rounding; only pos rows written
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_qk_norm_rope_positions_are_exact(arch: str | int) -> None:
+    from dflashgen.runtime.norm_kernel import qk_norm_rope
+
+    hq, hkv, d, rd = 24, 4, 256, 64
+    b, t = 3, 8
+    qkv, pos, cos, sin, q_w, k_w, kc, vc = _qk_case(b, t, hq, hkv, d, True, rd, seed=21)
+    q = qk_norm_rope(qkv, (hq, hkv), d, True, rd, q_w, k_w, 1e-6, cos, sin, pos, kc, vc, arch=_arch(arch))
+    for r, p in ((0, 0), (1, 5), (2, 7)):
+        k1, v1 = torch.zeros_like(kc[r:r + 1]), torch.zeros_like(vc[r:r + 1])
+        one = tuple(x[r:r + 1, p:p + 1].contiguous() for x in (cos, sin, pos))
+        q1 = qk_norm_rope(qkv[r:r + 1, p:p + 1], (hq, hkv), d, True, rd, q_w, k_w, 1e-6, *one, k1, v1, arch=_arch(arch))
+        slot = int(pos[r, p])
+        assert torch.equal(q1[0, 0], q[r, p])
+        assert torch.equal(k1[0, slot], kc[r, slot]) and torch.equal(v1[0, slot], vc[r, slot])

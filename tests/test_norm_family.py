@@ -24,7 +24,14 @@ HIDDEN = load_model_config(None).hidden_size  # Qwen3.8-27B: 5120
 
 def test_family_renders_specialised_and_generic_kernels() -> None:
     assert FAMILY_MODULES["norm"] == "dflashgen.norm_family"
-    ks = family_kernels("norm")
+    every = family_kernels("norm")
+    ks = [k for k in every if k.meta["kind"] == "add_rmsnorm"]
+    qk = [k for k in every if k.meta["kind"] == "qk_rope"]
+    assert len(ks) + len(qk) == len(every)
+    assert {k.name for k in qk} == {f"dfg_sm{a}_qknormrope_w4_d256" for a in (70, 80, 90)}
+    for k in qk:  # one per arch, dims at run time; the logic in the header
+        assert f"{k.name}(" in k.source and "qk_norm_rope<4>(" in k.source
+        assert "#include <dflashgen/qk_norm_rope.cuh>" in k.source
     assert {(k.arch, k.meta["hidden"]) for k in ks} == {(a, h) for a in (70, 80, 90) for h in (HIDDEN, None)}
     again = {k.name: k.source for k in family_kernels("norm")}
     for k in ks:
@@ -37,10 +44,13 @@ def test_family_renders_specialised_and_generic_kernels() -> None:
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
     entries = load_manifest()["families"]["norm"]
-    assert len(entries) == 6
+    assert len(entries) == 9
     for e in entries:
         assert (generated_dir() / e["file"]).is_file() and e["family"] == "norm"
-        assert e["threads"] == norm_family.THREADS == 512
+        if e["kind"] == "add_rmsnorm":
+            assert e["threads"] == norm_family.THREADS == 512
+        else:
+            assert (e["kind"], e["threads"], e["warps"], e["max_d"]) == ("qk_rope", 128, 4, 256)
 
 
 def test_kernel_choice_prefers_the_specialised_hidden_size() -> None:
@@ -53,8 +63,8 @@ def test_kernel_choice_prefers_the_specialised_hidden_size() -> None:
 def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
-    res = build([arch], only="_addrmsnorm_", progress=False)
-    assert len(res.resources()) == 2
+    res = build([arch], only="_(addrmsnorm|qknormrope)_", progress=False)
+    assert len(res.resources()) == 3
     for a in res.artifacts.values():
         entries = parse_ptxas_log(a.log.read_text())
         assert set(entries) == {a.name}
