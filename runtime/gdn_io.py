@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .driver import ArgPack, current_stream
 from .gdn_kernel import GdnInputError, kernel_arch
-from .images import family_entries, load_module
+from .images import entry_here, family_entries, load_module
 from .library import mul_to
 
 __all__ = ["GdnDims", "gdn_gate", "gdn_inputs", "io_available", "l2_norm", "reference_conv", "reference_gate",
@@ -106,13 +106,7 @@ def _entry(arch: int) -> dict[str, Any] | None:
 def io_available(device: torch.device | str, dk: int, dv: int, arch: int | None = None) -> bool:
     """Whether :func:`gdn_inputs` / :func:`gdn_gate` launch the generated kernels here: CUDA, an io
     kernel for the serving arch, head dims within its limit (manifest only: nothing is loaded)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return False
-    try:
-        e = _entry(kernel_arch(dev, arch))
-    except (GdnInputError, RuntimeError):
-        return False
+    e = entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, _entry)
     return e is not None and max(dk, dv) <= int(e["max_d"])
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .driver import ArgPack, current_stream
-from .images import family_entries, load_module
+from .images import entry_here, family_entries, load_module
 
 __all__ = ["GdnInputError", "gdn_advance", "gdn_prefill", "gdn_step", "per_value_head", "prefill_available",
            "reference_advance", "reference_step"]
@@ -251,14 +251,7 @@ def prefill_available(device: torch.device | str, dk: int, arch: int | None = No
     """Whether :func:`gdn_prefill` runs the generated kernel here: a CUDA device with a prefill
     kernel for key head dim ``dk`` at its serving arch (no compile, no load: manifest only). The
     target runs long unarmed forwards through it when True, the chunk form otherwise."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return False
-    try:
-        _entry("prefill", dk, kernel_arch(dev, arch))
-    except (GdnInputError, RuntimeError):  # no kernel for this dk / arch, or no family in the manifest
-        return False
-    return True
+    return entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, lambda a: _entry("prefill", dk, a)) is not None
 
 
 def _ptr(t: Tensor | None) -> int:

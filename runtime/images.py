@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -138,6 +139,22 @@ def load_module(entry: dict[str, Any], device_index: int) -> Any:
         img = resolve(entry, major * 10 + minor)
         _MODULES[key] = Module(img.path.read_bytes(), str(img.path))
     return _MODULES[key]
+
+
+def entry_here(device: Any, arch: int | None, env: str, error: type[Exception],
+               pick: Callable[[int], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The manifest entry ``pick(serving arch)`` gives for ``device``, or None where a family's kernel
+    would not run there: not CUDA, no serving arch (``error``), no family in the manifest, no entry
+    (``pick`` returns None or raises ``error``). Manifest only: nothing is compiled or loaded."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    try:
+        return pick(serving_arch(dev, arch, env, error))
+    except (error, RuntimeError):  # RuntimeError: KernelImageError (no family in the manifest)
+        return None
 
 
 def serving_arch(device: Any, arch: int | None, env: str, error: type[Exception]) -> int:

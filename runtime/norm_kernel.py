@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .driver import ArgPack, current_stream
-from .images import family_entries, load_module, serving_arch
+from .images import entry_here, family_entries, load_module, serving_arch
 
 __all__ = ["NormInputError", "add_rmsnorm", "fused_available", "qk_norm_rope", "qk_rope_available",
            "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_"]
@@ -66,13 +66,8 @@ def _entry(arch: int, hidden: int) -> dict[str, Any] | None:
 def fused_available(device: torch.device | str, hidden: int, arch: int | None = None) -> bool:
     """Whether :func:`add_rmsnorm` launches the generated kernel here (a CUDA device, a kernel for
     this arch, hidden % 4 == 0); manifest only, nothing is compiled or loaded."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or hidden % 4:
-        return False
-    try:
-        return _entry(kernel_arch(dev, arch), hidden) is not None
-    except (NormInputError, RuntimeError):
-        return False
+    return hidden % 4 == 0 and entry_here(device, arch, "DFLASHGEN_NORM_ARCH", NormInputError,
+                                          lambda a: _entry(a, hidden)) is not None
 
 
 class _Kernel:
@@ -184,13 +179,7 @@ def _qk_entry(arch: int) -> dict[str, Any] | None:
 
 def qk_rope_available(device: torch.device | str, head_dim: int, arch: int | None = None) -> bool:
     """Whether :func:`qk_norm_rope` launches the generated kernel here (manifest only)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return False
-    try:
-        e = _qk_entry(kernel_arch(dev, arch))
-    except (NormInputError, RuntimeError):
-        return False
+    e = entry_here(device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _qk_entry)
     return e is not None and head_dim <= int(e["max_d"])
 
 
