@@ -201,10 +201,16 @@ def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: i
     (FP16, rows evenly spaced, heads ``(Hq, Hkv)``, per q head D or D + D gate channels): q ``[B, T, Hq, D]``
     FP32 RMS-normed (``q_w``) and rotated (first ``rd`` channels; ``cos`` / ``sin`` ``[B, T, 1, rd]``
     FP32), k likewise (``k_w``) and v written into the FP16 caches ``kc`` / ``vc`` ``[B, L, Hkv, D]``
-    (contiguous) at ``pos [B, T]`` (int64). Returns q."""
+    (contiguous) at ``pos [B, T]`` (int64). Returns q. Off CUDA: :func:`reference_qk_norm_rope`."""
     hq, hkv = heads
     b, t, n = qkv.shape
     dev = qkv.device
+    if dev.type != "cuda":  # torch's ops on the same views
+        qg, k, v = qkv[..., :hq * d * (2 if gated else 1) + 2 * hkv * d].split(
+            [hq * d * (2 if gated else 1), hkv * d, hkv * d], dim=-1)
+        q = qg.reshape(b, t, hq, 2 * d)[..., :d] if gated else qg.reshape(b, t, hq, d)
+        return reference_qk_norm_rope(q, k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d), q_w, k_w, eps, cos, sin,
+                                      rd, pos, kc, vc)
     if qkv.dtype != torch.float16 or qkv.stride(2) != 1 or (b > 1 and qkv.stride(0) != t * qkv.stride(1)):
         raise NormInputError(f"qkv must be float16 with contiguous channels and evenly spaced rows, got "
                              f"{qkv.dtype} strides {qkv.stride()}")

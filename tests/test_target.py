@@ -4,6 +4,7 @@ prefill == token-by-token, exact verify-round rollback, batch invariance, greedy
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -326,3 +327,37 @@ def test_attend_matches_the_reference_formula(d: int) -> None:
     o = s.softmax(-1).view(b, hkv, -1, length) @ vc.permute(0, 2, 1, 3)
     ref = o.view(b, hkv, h // hkv, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
     assert torch.equal(TargetModel._attend(q, kc, vc, pos), ref)
+
+
+def test_glue_kernel_wiring_on_cpu_is_the_unfused_path(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused-glue branches of the forward (norm sites, GDN io, attention q / k norm + RoPE) with
+    every launcher on its CPU formulation: the same logits and state bits as the unfused torch ops
+    (FP16 projections and KV cache, as on a GPU). Checks the wiring -- which tensors, views and shapes
+    reach the launchers -- that the GPU tests then run on the kernels."""
+    from dflashgen.runtime import target as target_mod
+
+    seen: dict[str, int] = {}
+
+    def counted(name: str, f: Any) -> Any:
+        def spy(*a: Any, **k: Any) -> Any:
+            seen[name] = seen.get(name, 0) + 1
+            return f(*a, **k)
+        return spy
+
+    for name in ("add_rmsnorm", "gdn_inputs", "gdn_gate", "qk_norm_rope"):
+        monkeypatch.setattr(target_mod, name, counted(name, getattr(target_mod, name)))
+    m = TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5, act_dtype=torch.float16)
+    toks = _tokens(12, seed=3, batch=2)
+    out = {}
+    for fused in (False, True):
+        m.fused_norm = m.gdn_io = m.fused_qk = fused
+        st = DecodeState(CFG, 2, 32, "cpu", torch.float16)  # an FP16 cache, as on a GPU
+        logits = m(toks[:, :9], st)
+        st.checkpoint(3)
+        logits2 = m(toks[:, 9:], st)  # an armed 3-position verify forward
+        out[fused] = (logits, logits2, _state_tensors(st, 0) + _state_tensors(st, 1))
+        assert bool(seen) == fused and (not fused or set(seen) == {"add_rmsnorm", "gdn_inputs", "gdn_gate",
+                                                                   "qk_norm_rope"}), seen
+    for a, b in zip(out[False][:2], out[True][:2], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(out[False][2], out[True][2], strict=True))
