@@ -66,7 +66,7 @@ from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary, mul_to, silu_mul
-from .norm_kernel import add_rmsnorm, fused_available
+from .norm_kernel import add_rmsnorm, fused_available, reference_add_rmsnorm
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -612,8 +612,7 @@ class TargetModel(torch.nn.Module):
         w = self.w[name]
         if self.fused_norm and (r is None or (r.dtype is torch.float16 and r.is_contiguous())) and h.is_contiguous():
             return add_rmsnorm(h, r, w, self.eps)
-        h = h if r is None else h + r
-        return h, _rms_norm(h, w, self.eps)
+        return reference_add_rmsnorm(h, r, w, self.eps, h.dtype)  # FP32 x: the consumers cast
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         """down(SiLU(gate) * up) in ``act_dtype`` (the residual add upcasts it exactly). SiLU(gate) * up
