@@ -67,7 +67,14 @@ from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
 from .library import KernelLibrary, mul_to, silu_mul
-from .norm_kernel import add_rmsnorm, fused_available, qk_norm_rope, qk_rope_available, reference_qk_norm_rope
+from .norm_kernel import (
+    add_rmsnorm,
+    fused_available,
+    qk_norm_rope,
+    qk_rope_available,
+    reference_add_rmsnorm,
+    reference_qk_norm_rope,
+)
 from .parallel import TPContext, wrap_projections
 
 __all__ = ["DecodeState", "NonLinearWeights", "TargetModel", "local_heads", "nonlinear_shapes", "shard_nonlinear"]
@@ -615,8 +622,7 @@ class TargetModel(torch.nn.Module):
         w = self.w[name]
         if self.fused_norm and (r is None or (r.dtype is torch.float16 and r.is_contiguous())) and h.is_contiguous():
             return add_rmsnorm(h, r, w, self.eps)
-        h = h if r is None else h + r
-        return h, _rms_norm(h, w, self.eps)
+        return reference_add_rmsnorm(h, r, w, self.eps, h.dtype)  # FP32 x: the consumers cast
 
     def _mlp(self, i: int, x: Tensor) -> Tensor:
         """down(SiLU(gate) * up) in ``act_dtype`` (the residual add upcasts it exactly). SiLU(gate) * up
