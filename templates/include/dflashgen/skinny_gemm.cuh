@@ -46,6 +46,21 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// pdl_wait() once `dep` has its value. ptxas schedules loads next to their first use, so the weight
+// loads a kernel issues before a plain pdl_wait() were found after ACQBULK in the SASS (all of them
+// in the TP4 kernels): the ramp never overlapped the previous kernel. Storing `dep` (an OR of the
+// loaded words) to shared memory just before the wait, in the same asm, needs the loads to have
+// landed first. (A wait predicated on `dep` also kept them ahead, but let ptxas hoist the
+// activation loads above the wait -- a race with the kernel that writes them.)
+__device__ __forceinline__ void pdl_wait_after(unsigned dep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ unsigned sink;
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(&sink));
+  asm volatile("st.shared.u32 [%0], %1;\n\tgriddepcontrol.wait;" :: "r"(addr), "r"(dep) : "memory");
+#else
+  (void)dep;
+#endif
+}
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -201,8 +216,14 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
       // Only the weight stream above may run ahead of the previous kernel: activations, partials,
-      // tickets and outputs below may be its outputs or inputs.
-      pdl_wait();
+      // tickets and outputs below may be its outputs or inputs. The wait depends on every stage's
+      // first word, so those loads are in flight (and landed) before it.
+      unsigned dep = static_cast<unsigned>(M);
+#pragma unroll
+      for (int st = 0; st < Cfg::STAGES; ++st)
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) dep |= wbuf[st][i].x;
+      pdl_wait_after(dep);
 
       // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
       constexpr int U0 = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
