@@ -217,12 +217,15 @@ struct SkinnyGemm {
         }
       // Only the weight stream above may run ahead of the previous kernel: activations, partials,
       // tickets and outputs below may be its outputs or inputs. The wait depends on every stage's
-      // first word, so those loads are in flight (and landed) before it.
+      // first weight word and scale, so those loads are in flight (and landed) before it.
       unsigned dep = static_cast<unsigned>(M);
 #pragma unroll
       for (int st = 0; st < Cfg::STAGES; ++st)
 #pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i) dep |= wbuf[st][i].x;
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          dep |= wbuf[st][i].x;
+          if constexpr (NVFP4) dep |= static_cast<unsigned>(sbuf[st][i]);
+        }
       pdl_wait_after(dep);
 
       // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
