@@ -46,17 +46,15 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// pdl_wait() once `dep` has its value. ptxas schedules loads next to their first use, so the weight
-// loads a kernel issues before a plain pdl_wait() were found after ACQBULK in the SASS (all of them
-// in the TP4 kernels): the ramp never overlapped the previous kernel. Storing `dep` (an OR of the
-// loaded words) to shared memory just before the wait, in the same asm, needs the loads to have
-// landed first. (A wait predicated on `dep` also kept them ahead, but let ptxas hoist the
-// activation loads above the wait -- a race with the kernel that writes them.)
+// pdl_wait() once `dep` (nonzero) has its value. ptxas schedules loads next to their first use, so
+// the weight loads a kernel issues before a plain pdl_wait() were found after ACQBULK in the SASS
+// (all of them in the TP4 kernels): the ramp never overlapped the previous kernel. Predicating the
+// wait on a value that ORs the loaded words with M (>= 1 in any running CTA, unknown to ptxas) keeps
+// those loads ahead of it and never skips it. Only coherent loads may follow: ptxas hoisted
+// ld.global.nc activation loads above this wait (see ld_act), and tools/pdl_order.py checks the SASS.
 __device__ __forceinline__ void pdl_wait_after(unsigned dep) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ unsigned sink;
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(&sink));
-  asm volatile("st.shared.u32 [%0], %1;\n\tgriddepcontrol.wait;" :: "r"(addr), "r"(dep) : "memory");
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %0, 0;\n\t@p griddepcontrol.wait;\n\t}" :: "r"(dep) : "memory");
 #else
   (void)dep;
 #endif
