@@ -43,16 +43,19 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 }
 
 // Activations are re-read by every N tile: keep them in L1; issued one group ahead (volatile, as above).
+// A coherent load, not ld.global.nc: the previous kernel writes them, and under programmatic
+// dependent launch that kernel may still be running when this one starts. ptxas treats .nc data as
+// constant for the kernel's lifetime and was seen hoisting such loads above griddepcontrol.wait.
 __device__ __forceinline__ uint4 ld_act(const __half* p) {
   uint4 r;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
 
 // Predicated form for the one-group-ahead activation fetch: when !p nothing is read and r keeps
 // whatever it held (the caller never uses it then), so no zero-fill or select is needed.
 __device__ __forceinline__ void ld_act_if(uint4& r, const __half* p, bool pred) {
-  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];}"
+  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.v4.u32 {%0,%1,%2,%3}, [%4];}"
                : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
                : "l"(p), "r"(static_cast<int>(pred)));
 }

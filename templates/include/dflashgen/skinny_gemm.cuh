@@ -46,6 +46,19 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// pdl_wait() once `dep` (nonzero) has its value. ptxas schedules loads next to their first use, so
+// the weight loads a kernel issues before a plain pdl_wait() were found after ACQBULK in the SASS
+// (all of them in the TP4 kernels): the ramp never overlapped the previous kernel. Predicating the
+// wait on a value that ORs the loaded words with M (>= 1 in any running CTA, unknown to ptxas) keeps
+// those loads ahead of it and never skips it. Only coherent loads may follow: ptxas hoisted
+// ld.global.nc activation loads above this wait (see ld_act), and tools/pdl_order.py checks the SASS.
+__device__ __forceinline__ void pdl_wait_after(unsigned dep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %0, 0;\n\t@p griddepcontrol.wait;\n\t}" :: "r"(dep) : "memory");
+#else
+  (void)dep;
+#endif
+}
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -201,8 +214,17 @@ struct SkinnyGemm {
           else sbuf[s][i] = 0;
         }
       // Only the weight stream above may run ahead of the previous kernel: activations, partials,
-      // tickets and outputs below may be its outputs or inputs.
-      pdl_wait();
+      // tickets and outputs below may be its outputs or inputs. The wait depends on every stage's
+      // first weight word and scale, so those loads are in flight (and landed) before it.
+      unsigned dep = static_cast<unsigned>(M);
+#pragma unroll
+      for (int st = 0; st < Cfg::STAGES; ++st)
+#pragma unroll
+        for (int i = 0; i < Cfg::WARP_NT; ++i) {
+          dep |= wbuf[st][i].x;
+          if constexpr (NVFP4) dep |= static_cast<unsigned>(sbuf[st][i]);
+        }
+      pdl_wait_after(dep);
 
       // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
       constexpr int U0 = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
@@ -602,16 +624,22 @@ struct SkinnyGemm {
     const uint64_t desc0 = L::desc_base() + ((ring >> 4) & 0x3FFF);  // 14-bit start field, as CuTe
     const int steps = wgmma_steps();
 
+    // Two fragment buffers: group a's wgmma reads frag[a % 2] asynchronously while the warps decode
+    // group a + 1 into frag[(a + 1) % 2] (its weights are already in registers), so the decode no
+    // longer waits for the tensor core and the tensor core no longer waits for the decode. The
+    // activation ring is unchanged: group a is retired (wait_group 0) before the next barrier.
+    typename T::Frag frag[2];
+    if (groups > 0) {
+      T::decode(wbuf[0][0], sbuf[0][0], frag[0]);
+      wbuf[0][0] = ld_stream(wp[0] + Cfg::STAGES * 32);
+      if constexpr (NVFP4) sbuf[0][0] = __ldg(sp[0] + Cfg::STAGES * T::SCALE_WORDS);
+    }
     auto step = [&](auto u_c, const int a) {
       constexpr int u = decltype(u_c)::value;
       constexpr int slot = u % XST;
+      constexpr int cur = u % 2, nxt = (u + 1) % 2;  // WG_U = lcm(STAGES, STAGES + 1) is even
       __syncthreads();          // group a's stage is complete and visible to the async proxy
       if (a >= groups) return;  // warpgroup-uniform: only a worker with fewer groups, last step
-      const int s = u % Cfg::STAGES;
-      typename T::Frag frag;
-      T::decode(wbuf[s][0], sbuf[s][0], frag);
-      wbuf[s][0] = ld_stream(wp[0] + (u + Cfg::STAGES) * 32);
-      if constexpr (NVFP4) sbuf[s][0] = __ldg(sp[0] + (u + Cfg::STAGES) * T::SCALE_WORDS);
       // Every wgmma input is defined before wgmma.fence (ptxas serializes wgmmas whose inputs a
       // non-wgmma instruction defines inside the pipeline stage, C7513).
       uint64_t desc[KSTEPS];
@@ -619,7 +647,7 @@ struct SkinnyGemm {
       for (int ks = 0; ks < KSTEPS; ++ks) {
         desc[ks] = desc0 + ((slot * SB + ks * L::KSTEP) >> 4);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag.a[ks][r]);
+        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag[cur].a[ks][r]);
       }
 #pragma unroll
       for (int j = 0; j < NT8; ++j)
@@ -627,8 +655,20 @@ struct SkinnyGemm {
         for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) wgmma_rs<Cfg::ROWS>(frag.a[ks], desc[ks], acc[0]);
+      for (int ks = 0; ks < KSTEPS; ++ks) wgmma_rs<Cfg::ROWS>(frag[cur].a[ks], desc[ks], acc[0]);
       cute::warpgroup_commit_batch();
+      if (a + 1 < groups) {  // group a + 1 from its weight stage, which then takes group a + 1 + STAGES
+        constexpr int s = (u + 1) % Cfg::STAGES;
+        T::decode(wbuf[s][0], sbuf[s][0], frag[nxt]);
+        wbuf[s][0] = ld_stream(wp[0] + (u + 1 + Cfg::STAGES) * 32);
+        if constexpr (NVFP4) sbuf[s][0] = __ldg(sp[0] + (u + 1 + Cfg::STAGES) * T::SCALE_WORDS);
+        // Pin the decode before the wait: it is register-only work, which ptxas would otherwise
+        // sink past wgmma.wait_group (seen in the SASS), serializing it behind the tensor core again.
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag[nxt].a[ks][r]);
+      }
       // Retire the group before the next barrier: its stage is refilled right after it, and with
       // a group left in flight (wait_group 1) ptxas 13.0 serialized the wgmmas of some kernels
       // anyway (C7511 split-K, C7515 warps_k = 2).
@@ -638,6 +678,7 @@ struct SkinnyGemm {
 #pragma unroll
         for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
     };
+    static_assert(WG_U % 2 == 0, "fragment buffer parity must be compile-time per step");
 
     int g = 0;
     for (; g + WG_U < steps; g += WG_U) {
