@@ -353,6 +353,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         if len(listed[0]) > 4 and spec.threads > listed[0][4]:
             return (f"x_smem tile {shape} with {spec.threads} threads: its registers fit >= 2 CTAs per SM "
                     f"only up to {listed[0][4]} threads")
+        if len(listed[0]) > 5 and spec.threads < listed[0][5]:
+            return f"x_smem tile {shape} with {spec.threads} threads: listed for >= {listed[0][5]} threads only"
         if spec.threads > space.limits.get("x_smem_max_threads", 512):
             return (f"x_smem with {spec.threads} threads: (512, 1) launch bounds cap registers at 128 "
                     f"and FP8 tiles spill (nvcc 13); at most {space.limits.get('x_smem_max_threads')}")

@@ -152,14 +152,16 @@ def test_cli_reports_expected_errors_in_one_line(capsys: pytest.CaptureFixture[s
 
 
 def test_x_smem_rings_above_48k_render_dynamic_shared_memory() -> None:
-    """A warps_k = 8 plan's 32-row x_smem ring (8 workers x 3 stages x 32 rows x 64 K x 2 B = 96 KB)
-    is dynamic shared memory, sized in the manifest and checked against the struct at compile time;
+    """A warps_k = 8 plan's 32- and 64-row x_smem rings (8 workers x 3 stages x rows x 64 K x 2 B =
+    96 / 192 KB) are dynamic shared memory, sized in the manifest and checked against the struct at compile time;
     every static kernel renders its __shared__ struct as before; sm_80 and wgmma plans stay static."""
     from dflashgen.render import load_manifest
 
     cands = candidates(90, "nvfp4", 16480, 5120)
     dyn = [c for c in cands if c.smem_dynamic]
-    assert {c.tile.rows for c in dyn} == {32} and all(c.kplan.warps_k == 8 and c.smem_bytes() == 98304 for c in dyn)
+    assert {c.tile.rows for c in dyn} == {32, 64} and all(c.kplan.warps_k == 8 for c in dyn)
+    assert {c.smem_bytes() for c in dyn} == {98304, 196608}  # 32 / 64 rows; the 64-row ring is 1 CTA per SM
+    dyn.sort(key=lambda c: c.tile.rows)
     src = render_kernel(dyn[0])
     assert "extern __shared__ uint4 dyn_smem[];" in src and "__shared__ Gemm::Smem smem;" not in src
     assert "static_assert(sizeof(Gemm::Smem) <= 98304" in src
