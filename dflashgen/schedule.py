@@ -84,6 +84,10 @@ class Tile:
     min_blocks: int = 1  # __launch_bounds__ min blocks per SM: caps registers at 64K / (threads * it)
     x_ahead: int = 1  # 1: activations fetched one group ahead (two buffers); 0: at their group's top
     x_smem: int = 0  # 1: the CTA stages each K stage's activations in shared memory once (cp.async)
+    # 1: each of the plan's split_k x warps_k K workers is a CTA of its own (warps_n warps, one
+    # activation ring), reduced through the split-K workspace in the plan's order: the same bits as
+    # the plan's in-CTA tiles, with few warps per CTA (names `_ws1`; skinny_gemm.cuh WSPLIT)
+    wsplit: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,19 @@ class KernelSpec:
         return self.n // 2 if self.silu else self.n
 
     @property
+    def workers_per_cta(self) -> int:
+        """K workers per CTA: the plan's warps_k, or 1 for a wsplit tile."""
+        return 1 if self.tile.wsplit else self.kplan.warps_k
+
+    @property
+    def ctas_k(self) -> int:
+        """CTAs along K (grid z, partial slots): split_k, times warps_k for a wsplit tile."""
+        return self.kplan.split_k * (self.kplan.warps_k if self.tile.wsplit else 1)
+
+    @property
     def threads(self) -> int:
         # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
-        return 32 * self.tile.warps_n * self.kplan.warps_k + 32 * self.kplan.wgmma
+        return 32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma
 
     @property
     def target(self) -> str:
@@ -131,7 +145,8 @@ class KernelSpec:
         kp, t = self.kplan, self.tile
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
-                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}_mb{t.min_blocks}")
+                f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
+                f"{'_ws1' if t.wsplit else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -141,10 +156,10 @@ class KernelSpec:
     def grid(self, m: int) -> tuple[int, int, int]:
         tiles = self.layout.n_pad // self.layout.tile_rows
         per_cta = self.tile.warp_nt * self.tile.warps_n
-        return (math.ceil(m / self.tile.rows), math.ceil(tiles / per_cta), self.kplan.split_k)
+        return (math.ceil(m / self.tile.rows), math.ceil(tiles / per_cta), self.ctas_k)
 
     def workspace_floats(self, m: int) -> int:
-        return self.kplan.split_k * m * self.layout.n_pad if self.kplan.split_k > 1 else 0
+        return self.ctas_k * m * self.layout.n_pad if self.ctas_k > 1 else 0
 
     @property
     def x_stages(self) -> int:
@@ -160,9 +175,9 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
-        red = max(1, self.kplan.warps_k - 1) * self.tile.warps_n * acc * 32 * 4
+        red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
-        ring = self.x_stages * self.kplan.warps_k * self.tile.rows * self.kplan.k_group * 2
+        ring = self.x_stages * self.workers_per_cta * self.tile.rows * self.kplan.k_group * 2
         return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
@@ -179,19 +194,26 @@ class KernelSpec:
         # activations: current group + the one being fetched, or just the current one
         xbuf = 2 if self.tile.x_ahead else 1
         if self.tile.x_smem:  # one LDS.128 per 8 rows in flight, copier offsets and ring indices
-            return acc + self.tile.warp_nt * a_frag + 4 * n8 + pipeline + 8 + 32
+            # wsplit with split-K: a second accumulator set while combining the workers (after the loop)
+            combine = acc if self.tile.wsplit and self.kplan.split_k > 1 else 0
+            return acc + self.tile.warp_nt * a_frag + 4 * n8 + pipeline + 8 + 32 + combine
         return acc + self.tile.warp_nt * a_frag + xbuf * x_frag * n8 + pipeline + n8 * 3 + 32
 
     def to_dict(self) -> dict[str, Any]:
         kplan = asdict(self.kplan)
         if not self.kplan.wgmma:
             del kplan["wgmma"]  # mma.sync entries keep their pre-wgmma form
+        tile = asdict(self.tile)
+        if not self.tile.wsplit:
+            del tile["wsplit"]  # in-CTA tiles keep their pre-wsplit form
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
-            "kplan": kplan, "tile": asdict(self.tile), "threads": self.threads,
+            "kplan": kplan, "tile": tile, "threads": self.threads,
             "smem_bytes": self.smem_bytes(), "serves": list(self.serves),
         }
+        if self.tile.wsplit:
+            d["ctas_k"] = self.ctas_k  # grid z and partial slots (the runtime's split count)
         if self.smem_dynamic:
             d["smem_dynamic"] = True
         if self.kplan.wgmma:
@@ -342,14 +364,19 @@ def illegal_reason(spec: KernelSpec) -> str | None:
             return "wgmma needs >= 2 stages (a ring of stages + 1 >= 3 activation stages)"
         if spec.kplan.warps_k not in wg["warps_k"]:
             return f"wgmma warps_k={spec.kplan.warps_k} not in {wg['warps_k']}"
+        if t.wsplit:
+            return "wsplit tiles are mma.sync tiles"
     elif t.x_smem:
         if spec.fam != "sm80":
             return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
-        listed = [s for s in space.tiles.get("x_smem_tiles", []) if s[:4] == shape]
+        key = _shape_list(t)
+        listed = [s for s in space.tiles.get(key, []) if s[:4] == shape]
         if t.x_ahead or not listed:
             return (f"x_smem only with x_ahead=0 and (rows, warp_nt, warps_n, stages) {shape} in the "
-                    f"space's x_smem_tiles {[s[:4] for s in space.tiles.get('x_smem_tiles', [])]}")
+                    f"space's {key} {[s[:4] for s in space.tiles.get(key, [])]}")
+        if t.wsplit and spec.kplan.warps_k < 2:
+            return "wsplit splits a plan's warps_k >= 2 workers into CTAs; this plan has one per split"
         if len(listed[0]) > 4 and spec.threads > listed[0][4]:
             return (f"x_smem tile {shape} with {spec.threads} threads: its registers fit >= 2 CTAs per SM "
                     f"only up to {listed[0][4]} threads")
@@ -378,7 +405,14 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return f"~{_reg_need(spec, space)} registers do not fit {t.min_blocks} blocks of {spec.threads} threads"
     if not t.x_smem and t.warps_n not in space.tiles["warps_n"]:
         return f"warps_n={t.warps_n} only for x_smem tiles"
+    if t.wsplit and not t.x_smem:
+        return "wsplit tiles are x_smem tiles (one activation ring per CTA)"
     return None
+
+
+def _shape_list(t: Tile) -> str:
+    """The space's list an x_smem tile's shape must be in: wsplit_tiles or x_smem_tiles."""
+    return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
 
 
 def _reg_need(spec: KernelSpec, space: ArchSpace) -> int:
@@ -459,6 +493,12 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                         c = replace(spec, tile=t)
                         if illegal_reason(c) is None and c not in out and _fills_better(c):
                             out.append(c)
+    # wsplit shapes (the plan's K workers as CTAs of their own): x_smem tiles from their own list
+    for rows, warp_nt, warps_n, stages, *_ in space.tiles.get("wsplit_tiles", []):
+        c = KernelSpec(arch, fmt, n, k, silu, kp,
+                       Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, wsplit=1), serves)
+        if illegal_reason(c) is None and c not in out:
+            out.append(c)
     return out
 
 

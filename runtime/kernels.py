@@ -67,7 +67,9 @@ class GemmKernel:
         self.fmt: str = entry["format"]
         self.rows: int = entry["tile"]["rows"]
         self.warps_n: int = entry["tile"]["warps_n"]
-        self.split_k: int = entry["kplan"]["split_k"]
+        # CTAs along K (grid z, partial slots): the plan's split_k, or split_k x warps_k for a wsplit
+        # tile (one CTA per K worker, skinny_gemm.cuh WSPLIT)
+        self.split_k: int = entry.get("ctas_k", entry["kplan"]["split_k"])
         self.threads: int = entry["threads"]
         # bytes of dynamic shared memory per CTA (x_smem rings above 48 KB), 0: static only
         self.dynamic_smem: int = entry["smem_bytes"] if entry.get("smem_dynamic") else 0

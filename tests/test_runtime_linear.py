@@ -654,3 +654,51 @@ def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, t
         launch.launch(11, 12, 7)
         assert rec.shared[-1] == (entry["smem_bytes"] if dynamic else 0)
     assert opted == [(names[0], 98304)]
+
+
+def test_wsplit_kernels_launch_a_cta_per_k_worker(monkeypatch, tmp_path) -> None:
+    """A wsplit tile (the plan's warps_k K workers as CTAs of their own) launches split_k x warps_k
+    CTAs along z with warps_n warps each, passes the split-K workspace and tickets (it reduces its
+    partials itself), and sizes the partials for every worker: [8][M][N_PAD] for an sk1 wk8 plan."""
+    from dflashgen.runtime import driver, kernels
+
+    from dflashgen.schedule import KernelSpec, Tile, k_plan
+
+    rec = _Recorder()
+
+    class Fn:
+        def __init__(self, name: str) -> None:
+            self.name, self.handle, self._raw_handle = name, 2, 2  # handle 2: the recorder reads tickets
+
+        def allow_dynamic_smem(self, nbytes: int) -> None:
+            raise AssertionError("a 24 KB ring is static shared memory")
+
+    class Module:
+        def __init__(self, image: bytes, label: str) -> None:
+            pass
+
+        def function(self, name: str) -> Fn:
+            return Fn(name)
+
+    monkeypatch.setattr(kernels, "Module", Module)
+    monkeypatch.setattr(kernels, "ensure_context", lambda index: None)
+    monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
+    monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
+    monkeypatch.setattr(driver, "_untyped_launch_ex", lambda: rec.ex)
+    image = tmp_path / "k.cubin"
+    image.write_bytes(b"")
+    kp = k_plan(90, "nvfp4", 8704, 5120)
+    assert (kp.split_k, kp.warps_k) == (1, 8)
+    spec = KernelSpec(90, "nvfp4", 8704, 5120, False, kp, Tile(64, 1, 4, 3, x_ahead=0, x_smem=1, wsplit=1))
+    entry = spec.to_dict()
+    assert entry["ctas_k"] == 8 and entry["threads"] == 128 and entry["tile"]["wsplit"] == 1
+    assert entry["kplan"] == {"split_k": 1, "warps_k": 8, "k_group": 64}  # the plan's key: its in-CTA tiles' twin
+    kern = kernels.GemmKernel(entry, image, max_m=64, device=torch.device("cpu"))
+    assert kern.split_k == 8
+    launch = kernels.GemmLaunch(kern)
+    launch.m = 64
+    launch.launch(11, 12, 7)
+    fn, grid, _, vals = rec.calls[-1]
+    assert fn == 2 and grid == (1, 8704 // 16 // 4, 8)
+    partials = kern._workspaces[7][0]
+    assert partials.numel() == 8 * 64 * entry["n_pad"] and vals[6] == partials.data_ptr()

@@ -130,7 +130,7 @@ def test_x_smem_tiles() -> None:
     # static shared memory; sm_90 also rows 16 and warp_nt 2 (a B fragment feeds two weight tiles).
     for arch in (80, 90):
         shapes = [s[:4] for s in load_space(arch).tiles["x_smem_tiles"]]
-        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma]
+        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma and not c.tile.wsplit]
         assert {c.tile.rows for c in xs} == ({8, 16, 32, 64} if arch == 90 else {64})
         assert {c.tile.warp_nt for c in xs} == ({1, 2, 4} if arch == 90 else {1})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
@@ -223,3 +223,34 @@ def test_wgmma_plans_and_tiles() -> None:
     # the same-shaped mma.sync x_smem tile
     sync64 = replace(base, kplan=KPlan(1, 1, 64), tile=replace(base.tile, warps_n=4))
     assert model_us(base, 64) <= model_us(sync64, 64)
+
+
+def test_wsplit_tiles_are_their_plans_twins_with_a_cta_per_k_worker() -> None:
+    """wsplit tiles (issue #4, M = 32-64): the plan's split_k x warps_k K workers each a CTA of warps_n
+    warps with one activation ring; same K plan (so the tuner may serve some M buckets from them and
+    others from the in-CTA tiles, and verify holds them to the plan's bits); only where warps_k >= 2,
+    only mma.sync x_smem shapes from the space's wsplit_tiles list, named `_ws1`."""
+    from dflashgen.render import render_kernel
+
+    shapes = [tuple(s[:4]) for s in load_space(90).tiles["wsplit_tiles"]]
+    ws = [c for c in candidates(90, "nvfp4", 8704, 5120) if c.tile.wsplit]
+    assert {(c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) for c in ws} == set(shapes)
+    for c in ws:
+        assert c.kplan == k_plan(90, "nvfp4", 8704, 5120) and not c.kplan.wgmma
+        assert "_xs1_ws1_" in c.name and c.threads == 32 * c.tile.warps_n
+        assert c.ctas_k == c.kplan.split_k * c.kplan.warps_k and c.grid(64)[2] == c.ctas_k
+        assert c.workspace_floats(64) == c.ctas_k * 64 * c.layout.n_pad
+        assert c.smem_bytes() == 3 * c.tile.rows * c.kplan.k_group * 2  # one ring, no reduction slots
+        assert "wsplit" not in c.to_dict()["kplan"] and c.to_dict()["tile"]["wsplit"] == 1
+        src = render_kernel(c)
+        assert "static constexpr bool WSPLIT = true;" in src and "unsigned int* __restrict__ tickets" in src
+    # in-CTA tiles keep their manifest form (no wsplit key) and never declare WSPLIT
+    plain = next(c for c in candidates(90, "nvfp4", 8704, 5120) if c.tile.x_smem and not c.tile.wsplit)
+    assert "wsplit" not in plain.to_dict()["tile"] and "WSPLIT" not in render_kernel(plain)
+    base = ws[0]
+    assert "warps_k >= 2" in illegal_reason(replace(base, kplan=KPlan(2, 1, 64)))
+    assert "mma.sync" in illegal_reason(replace(base, kplan=KPlan(1, 1, 64, wgmma=1),
+                                                tile=replace(base.tile, warps_n=4, warp_nt=1)))
+    assert "x_smem" in illegal_reason(replace(base, tile=replace(base.tile, x_smem=0)))
+    assert "wsplit_tiles" in illegal_reason(replace(base, tile=replace(base.tile, rows=16)))
+    assert not any(c.tile.wsplit for c in candidates(70, "nvfp4", 8704, 5120))

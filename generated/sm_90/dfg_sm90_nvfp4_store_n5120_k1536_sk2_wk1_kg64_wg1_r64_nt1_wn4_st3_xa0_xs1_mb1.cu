@@ -33,7 +33,7 @@ using Gemm = dflashgen::SkinnyGemm<Cfg>;
 }  // namespace
 
 // Split-K in one launch: `partial` holds this launch's FP32 partials [SPLIT_K][M][N_PAD]; per warp
-// tile the last of its SPLIT_K warps sums them in split order. `tickets`: one counter per (row
+// tile the last of its 2 warps along K sums them in split order. `tickets`: one counter per (row
 // block, N tile, warp along N), zeroed by the runtime once; every launch leaves them at 0
 // (SkinnyGemm::split_k_last).
 extern "C" __global__ void __launch_bounds__(160)

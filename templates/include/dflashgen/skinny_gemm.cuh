@@ -10,6 +10,12 @@
 // (split_k_last). None of that depends on M, ROWS, WARP_NT or WARPS_N, so a row's result is
 // bitwise the same whatever batch it came in. The one atomic (split-K) only elects who sums; it
 // never adds data.
+// WSPLIT tiles place the same plan differently: each of the SPLIT_K * WARPS_K workers is a CTA of
+// its own (WARPS_N warps sharing one activation ring, no in-CTA K reduction), every CTA writes its
+// FP32 partials, and the last one sums them in the plan's order -- per split, its WARPS_K workers in
+// warp order, then the splits from 0.0f in split order -- so its rows are bitwise those of the
+// in-CTA tiles of the plan. What it buys at large M: a CTA of few warps can take all 64 batch rows
+// (each weight decoded once) while the SM keeps many warps resident.
 #pragma once
 
 #include "mma_traits.cuh"
@@ -81,15 +87,28 @@ struct CfgWgmma<C, void_t<decltype(C::WGMMA)>> {
   static constexpr bool value = C::WGMMA;
 };
 
+// Cfg::WSPLIT where the tile puts each K worker in a CTA of its own (only such Cfgs declare it).
+template <class C, class = void>
+struct CfgWsplit {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWsplit<C, void_t<decltype(C::WSPLIT)>> {
+  static constexpr bool value = C::WSPLIT;
+};
+
 template <class Cfg>
 struct SkinnyGemm {
   using T = typename Cfg::Traits;
   static constexpr int NT8 = Cfg::ROWS / 8;
   static constexpr int G = Cfg::K / T::KG;
   static constexpr int WORKERS = Cfg::SPLIT_K * Cfg::WARPS_K;
+  static constexpr bool WSPLIT = CfgWsplit<Cfg>::value;
+  static constexpr int WK_CTA = WSPLIT ? 1 : Cfg::WARPS_K;                 // K workers per CTA
+  static constexpr int SPLITS = WSPLIT ? WORKERS : Cfg::SPLIT_K;          // CTAs along K (grid z)
   static constexpr int TILES = Cfg::N_PAD / T::TILE_ROWS;
   static constexpr int ACC = Cfg::WARP_NT * NT8 * T::NACC;
-  static constexpr int THREADS = 32 * Cfg::WARPS_N * Cfg::WARPS_K + (CfgWgmma<Cfg>::value ? 32 : 0);
+  static constexpr int THREADS = 32 * Cfg::WARPS_N * WK_CTA + (CfgWgmma<Cfg>::value ? 32 : 0);
   static constexpr bool NVFP4 = Cfg::FORMAT == Format::NVFP4;
   static constexpr bool SILU = Cfg::EPILOGUE == Epilogue::SiluMul;
   static constexpr int N_OUT = SILU ? Cfg::N / 2 : Cfg::N;
@@ -99,6 +118,7 @@ struct SkinnyGemm {
   // WGMMA (sm_90a): a warpgroup (4 consecutive warps, one 16-row weight tile each) issues
   // wgmma.m64nROWSk16 with A from the warps' decoded fragments and B from its shared-memory ring.
   static constexpr bool WG = CfgWgmma<Cfg>::value;
+  static_assert(!(WG && WSPLIT), "WSPLIT tiles are mma.sync tiles");
   static_assert(!WG || (Cfg::WARPS_N == 4 && Cfg::WARP_NT == 1 && Cfg::X_SMEM && Cfg::ROWS <= 64),
                 "WGMMA: warps_n = 4 (one warpgroup per K worker), warp_nt = 1, x_smem, rows <= 64");
 
@@ -120,8 +140,9 @@ struct SkinnyGemm {
 
   struct alignas(16) Smem {
     union {
-      float red[Cfg::WARPS_K > 1 ? Cfg::WARPS_K - 1 : 1][Cfg::WARPS_N][ACC][32];
-      uint4 xs[Cfg::X_SMEM ? Cfg::WARPS_K : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
+      // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
+      float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
+      uint4 xs[Cfg::X_SMEM ? WK_CTA : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
     };
   };
   static_assert(!Cfg::X_SMEM || T::HAS_X_SMEM, "X_SMEM needs a trait with a shared-memory B fragment order");
@@ -148,7 +169,7 @@ struct SkinnyGemm {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
     const int tile0 = (blockIdx.y * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
-    const int worker = blockIdx.z * Cfg::WARPS_K + wk;
+    const int worker = blockIdx.z * WK_CTA + wk;  // WSPLIT: wk = 0, one worker per CTA
     const int gb = worker * G / WORKERS, ge = (worker + 1) * G / WORKERS;
     const int m0 = blockIdx.x * Cfg::ROWS;
     const bool active = tile0 < TILES;  // TILES % WARP_NT == 0 (checked by the schedule)
@@ -304,19 +325,19 @@ struct SkinnyGemm {
 
     pdl_launch_dependents();  // main loop done: the next GEMM may start streaming its weights
     // Intra-CTA K reduction in warp order.
-    if constexpr (Cfg::WARPS_K > 1) {
+    if constexpr (WK_CTA > 1) {
       if constexpr (Cfg::X_SMEM) __syncthreads();  // `red` overlays the other workers' rings
       if (wk > 0)
         each_acc([&](int i, int j, int e) { smem.red[wk - 1][wn][acc_index(i, j, e)][lane] = acc[i][j][e]; });
       __syncthreads();
       if (wk > 0) return;
 #pragma unroll 1
-      for (int w = 0; w < Cfg::WARPS_K - 1; ++w)
+      for (int w = 0; w < WK_CTA - 1; ++w)
         each_acc([&](int i, int j, int e) { acc[i][j][e] += smem.red[w][wn][acc_index(i, j, e)][lane]; });
     }
     if (!active) return;
 
-    if constexpr (Cfg::SPLIT_K > 1) {
+    if constexpr (SPLITS > 1) {
       // Every CTA writes its FP32 partials; per warp tile, the last of the SPLIT_K warps holding
       // the same outputs (one per CTA of the tile) sums them in split order z = 0..SPLIT_K-1 from
       // 0.0f -- its own read back as well (the bits it stored) -- and runs the epilogue on the sums:
@@ -331,22 +352,54 @@ struct SkinnyGemm {
       // split loop below (r64 wgmma tiles: ~60 more registers).
       int t0 = tile0, r0 = m0;
       asm volatile("" : "+r"(t0), "+r"(r0));
-      each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
-      // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
-      // tiles took up to 24 more registers).
+      if constexpr (WSPLIT) {
+        combine_workers(acc, t0, r0, M, partial);
+      } else {
+        each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
+        // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
+        // tiles took up to 24 more registers).
 #pragma unroll 1
-      for (int z = 0; z < Cfg::SPLIT_K; ++z) {
-        const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
-        each_acc([&](int i, int j, int e) {
-          const int m = r0 + 8 * j + T::acc_mrow(e);
-          const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-          if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
-        });
+        for (int z = 0; z < Cfg::SPLIT_K; ++z) {
+          const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
+          each_acc([&](int i, int j, int e) {
+            const int m = r0 + 8 * j + T::acc_mrow(e);
+            const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+            if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
+          });
+        }
       }
       epilogue(acc, t0, r0, M, col_scale, out);
     } else {
       epilogue(acc, tile0, m0, M, col_scale, out);
     }
+  }
+
+  // WSPLIT: the plan's sums from the partials of its SPLIT_K * WARPS_K worker CTAs (worker
+  // z * WARPS_K + w at partial slot z * WARPS_K + w): per split z, S_z = ((p_0 + p_1) + ...) in warp
+  // order, as an in-CTA tile's warp 0 adds its workers through `red`; then, with SPLIT_K > 1, the
+  // splits from 0.0f in split order, as the split-K combine below. Same additions, same order, the
+  // same FP32 values read back exactly: the same bits.
+  __device__ static void combine_workers(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int t0, int r0, int M,
+                                         const float* __restrict__ partial) {
+    float tot[Cfg::SPLIT_K > 1 ? Cfg::WARP_NT : 1][Cfg::SPLIT_K > 1 ? NT8 : 1][T::NACC];
+#pragma unroll 1
+    for (int z = 0; z < Cfg::SPLIT_K; ++z) {
+#pragma unroll 1
+      for (int w = 0; w < Cfg::WARPS_K; ++w) {
+        const float* pw = partial + static_cast<size_t>(z * Cfg::WARPS_K + w) * M * Cfg::N_PAD;
+        each_acc([&](int i, int j, int e) {
+          const int m = r0 + 8 * j + T::acc_mrow(e);
+          const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+          if (m < M) {
+            const float v = __ldcg(pw + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
+            acc[i][j][e] = w == 0 ? v : acc[i][j][e] + v;
+          }
+        });
+      }
+      if constexpr (Cfg::SPLIT_K > 1)
+        each_acc([&](int i, int j, int e) { tot[i][j][e] = (z == 0 ? 0.0f : tot[i][j][e]) + acc[i][j][e]; });
+    }
+    if constexpr (Cfg::SPLIT_K > 1) each_acc([&](int i, int j, int e) { acc[i][j][e] = tot[i][j][e]; });
   }
 
   // f(i, j, e) for every accumulator element (warp tile i, 8-row block j, element e) in one fixed
@@ -410,8 +463,8 @@ struct SkinnyGemm {
     __syncwarp();
     unsigned int t = 0;
     if (lane == 0)
-      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, Cfg::SPLIT_K - 1);
-    const bool last = __shfl_sync(0xffffffffu, t, 0) == Cfg::SPLIT_K - 1;
+      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, SPLITS - 1);
+    const bool last = __shfl_sync(0xffffffffu, t, 0) == SPLITS - 1;
     if (last) __threadfence();
     return last;
   }
@@ -449,8 +502,8 @@ struct SkinnyGemm {
     // in that last step.
     int steps = 0;
 #pragma unroll
-    for (int w = 0; w < Cfg::WARPS_K; ++w) {
-      const int v = blockIdx.z * Cfg::WARPS_K + w;
+    for (int w = 0; w < WK_CTA; ++w) {
+      const int v = blockIdx.z * WK_CTA + w;
       steps = max(steps, (v + 1) * G / WORKERS - v * G / WORKERS);
     }
     // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
