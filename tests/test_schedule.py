@@ -130,7 +130,8 @@ def test_x_smem_tiles() -> None:
     # static shared memory; sm_90 also rows 16 and warp_nt 2 (a B fragment feeds two weight tiles).
     for arch in (80, 90):
         shapes = [s[:4] for s in load_space(arch).tiles["x_smem_tiles"]]
-        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120) if c.tile.x_smem and not c.kplan.wgmma and not c.tile.wsplit]
+        xs = [c for c in candidates(arch, "nvfp4", 34816, 5120)
+              if c.tile.x_smem and not c.kplan.wgmma and not c.tile.wsplit]
         assert {c.tile.rows for c in xs} == ({8, 16, 32, 64} if arch == 90 else {64})
         assert {c.tile.warp_nt for c in xs} == ({1, 2, 4} if arch == 90 else {1})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
