@@ -304,26 +304,29 @@ class BlockDrafter(torch.nn.Module):
     @torch.no_grad()
     def forward_embeds_static(self, x: Tensor, ctx_len: Tensor, context: KV) -> Tensor:
         """:meth:`forward_embeds` over static per-slot context caches: ``context[layer] = (K, V)``
-        ``[B, capacity, Hkv, D]`` of which the first ``ctx_len[b]`` positions are request b's (the rest
-        masked); the block sits at positions ``ctx_len[b] + s``. Static shapes, no host sync (CUDA-graph
-        capturable); the same math as :meth:`forward_embeds` up to FP32 summation order."""
+        ``[B, Hkv, capacity, D]`` (head-major) of which the first ``ctx_len[b]`` positions are request
+        b's (the rest masked); the block sits at positions ``ctx_len[b] + s``. Static shapes, no host
+        sync (CUDA-graph capturable); the same math as :meth:`forward_embeds` up to FP32 summation
+        order. The context and the block are scored and summed as two products, so the cache (the whole
+        capacity, every layer and round) is read in place: head-major, each (slot, head) is one
+        contiguous [capacity, D] matrix of a uniformly strided batch, no concatenated copy."""
         cfg, (b, s, _) = self.cfg, x.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         g = nh // nkv
         pos = ctx_len[:, None] + torch.arange(s, device=x.device)
-        cap = context[0][0].shape[1]
+        cap = context[0][0].shape[2]
         visible = torch.cat((torch.arange(cap, device=x.device) < ctx_len[:, None],
                              torch.ones(b, s, dtype=torch.bool, device=x.device)), dim=1)  # [B, cap + S]
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
             q, k, v = self._block_qkv(layer, h, pos)
-            kc, vc = context[li]
-            kr = torch.cat((kc.float(), k), 1).permute(0, 2, 3, 1)  # [B, Hkv, D, cap + S]
-            vr = torch.cat((vc.float(), v), 1).permute(0, 2, 1, 3)  # [B, Hkv, cap + S, D]
+            kc, vc = context[li]  # [B, Hkv, cap, D]
             qr = q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
-            sc = ((qr @ kr) * d**-0.5).masked_fill(~visible[:, None, None], float("-inf"))  # no causal mask
-            o = (sc.softmax(-1) @ vr).view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
+            sc = torch.cat((qr @ kc.float().transpose(-1, -2), qr @ k.permute(0, 2, 3, 1)), -1)  # [B, Hkv, GS, cap + S]
+            p = (sc * d**-0.5).masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # no causal mask
+            o = p[..., :cap] @ vc.float() + p[..., cap:] @ v.permute(0, 2, 1, 3)
+            o = o.view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
             h = h + self._lin(att.o_proj, o)
             y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
             mlp = layer.mlp
@@ -469,7 +472,7 @@ class StaticDFlashDrafter:
     per batch size (:class:`~dflashgen.runtime.spec_decode.SpecDecoder` drives it by slot).
 
     Per slot (the decoder's request slot, via ``assign``): context K/V of every drafter layer in a
-    preallocated ``[max_batch, capacity, Hkv, D]`` cache and its length ``ctx_len``. The decoder
+    preallocated head-major ``[max_batch, Hkv, capacity, D]`` cache and its length ``ctx_len``. The decoder
     stages the last verify round's tapped hidden states of all slots at once (``observe_round``:
     ``[b, T, len(taps) * H]`` with each slot's base position and kept count); the next ``propose``
     replays one step -- append the staged positions' context K/V (all T written, only the kept ones
@@ -492,7 +495,7 @@ class StaticDFlashDrafter:
         dev = model.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         width = len(cfg.target_layers) * cfg.target_hidden_size
-        shape = (max_batch, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (max_batch, cfg.num_kv_heads, self.capacity, cfg.head_dim)  # head-major: read in place
         self.k = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
         self.ctx_len = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -528,8 +531,8 @@ class StaticDFlashDrafter:
         if n:
             pos = torch.arange(start, start + n, device=self.ctx_len.device)
             for layer, (k, v) in enumerate(self.model.context_kv(hidden, pos)):
-                self.k[layer][s, start:start + n] = k
-                self.v[layer][s, start:start + n] = v
+                self.k[layer][s, :, start:start + n] = k.transpose(0, 1)
+                self.v[layer][s, :, start:start + n] = v.transpose(0, 1)
         self.ctx_len[s] = start + n
         self.h_base[s], self.h_keep[s] = start + n, 0  # nothing staged for this slot
 
@@ -550,9 +553,9 @@ class StaticDFlashDrafter:
         pos = self.h_base[:b, None] + torch.arange(t, device=dev)  # [b, T]
         kv = m.context_kv(self.hidden[:b].reshape(b * t, -1), pos.reshape(-1))
         rows = torch.arange(b, device=dev)[:, None]
-        for layer, (k, v) in enumerate(kv):
-            self.k[layer][rows, pos] = k.view(b, t, *k.shape[1:])
-            self.v[layer][rows, pos] = v.view(b, t, *v.shape[1:])
+        for layer, (k, v) in enumerate(kv):  # [rows, :, pos] indexes as [b, T, Hkv, D]
+            self.k[layer][rows, :, pos] = k.view(b, t, *k.shape[1:])
+            self.v[layer][rows, :, pos] = v.view(b, t, *v.shape[1:])
         self.ctx_len[:b].copy_(self.h_base[:b] + self.h_keep[:b])
         self.h_base[:b].copy_(self.ctx_len[:b])
         self.h_keep[:b].zero_()

@@ -308,3 +308,27 @@ def test_replay_with_static_drafter_cost_sees_real_taps(model: TargetModel, bloc
     dec = SpecDecoder(model, d, max_batch=2, max_len=40)
     assert dec.generate(prompts, GREEDY, 12) == [o[:12] for o in oracle]
     assert seen and all(seen)
+
+
+def test_static_block_forward_reads_the_head_major_cache_in_place(block: BlockDrafter) -> None:
+    """forward_embeds_static over a head-major [B, Hkv, capacity, D] cache (stale rows past each
+    slot's length) equals the per-request forward_embeds over exactly those contexts, to FP32
+    summation order; a position past ctx_len never matters."""
+    cfg = block.cfg
+    g = torch.Generator().manual_seed(7)
+    lens, cap, s = [5, 0, 11], 16, cfg.block_size
+    x = torch.randn(len(lens), s, cfg.hidden_size, generator=g)
+    per_request = [[(torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g),
+                     torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)) for _ in range(cfg.num_layers)]
+                   for n in lens]
+    static = []
+    for li in range(cfg.num_layers):
+        kc = torch.randn(len(lens), cfg.num_kv_heads, cap, cfg.head_dim, generator=g) * 1e3  # stale
+        vc = torch.randn(len(lens), cfg.num_kv_heads, cap, cfg.head_dim, generator=g) * 1e3
+        for r, n in enumerate(lens):
+            kc[r, :, :n] = per_request[r][li][0].transpose(0, 1)
+            vc[r, :, :n] = per_request[r][li][1].transpose(0, 1)
+        static.append((kc, vc))
+    want = block.forward_embeds(x, lens, per_request)
+    got = block.forward_embeds_static(x, torch.tensor(lens), static)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
