@@ -319,7 +319,8 @@ def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
     """Busiest SM's CTAs over the average, for the cost model's best register-path tile of the plan
     at M = 8 (1.0: every SM equally loaded; 132 / 80 for 80 CTAs on 132 SMs)."""
     sms = load_space(arch).sms
-    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8 and not s.tile.x_smem]
+    tiles = [s for s in _plan_tiles(arch, fmt, n, k, False, plan, ()) if s.tile.rows == 8 and not s.tile.x_smem
+             and _base_stages(s)]
     best = min(tiles, key=lambda s: model_us(s, 8))
     ctas = math.prod(best.grid(8))
     return math.ceil(ctas / sms) * sms / ctas
@@ -329,8 +330,14 @@ def _best_us(arch: int, fmt: str, n: int, k: int, plan: KPlan, m: int) -> float:
     """The cost model's best time at M over the plan's register-path tiles of at most 16 rows (the
     alternatives are for the SM fill at small M, where x_smem tiles are not what decides it)."""
     times = [model_us(s, m) for s in _plan_tiles(arch, fmt, n, k, False, plan, ())
-             if s.tile.rows <= 16 and not s.tile.x_smem]
+             if s.tile.rows <= 16 and not s.tile.x_smem and _base_stages(s)]
     return min(times, default=math.inf)
+
+
+def _base_stages(spec: KernelSpec) -> bool:
+    """A register-path tile at the space's base stages: the K plans are derived from those alone, so
+    the extra deep_stages candidates race within the plans and never change which plans exist."""
+    return spec.tile.stages in load_space(spec.arch).tiles["stages"]
 
 
 def illegal_reason(spec: KernelSpec) -> str | None:
@@ -482,12 +489,17 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
         # warp_nt values only the x_smem list names (e.g. 4) get x_smem tiles only
         for warp_nt in sorted(set(space.tiles["warp_nt"]) | {s[1] for s in xs_shapes}):
             for warps_n in sorted(set(space.tiles["warps_n"]) | {s[2] for s in xs_shapes}):
-                act = ([(st, xa, 0) for st, xa in itertools.product(space.tiles["stages"], space.tiles["x_ahead"])]
+                # register-path tiles of <= deep_max_rows rows also race the deeper weight rings
+                stages_rp = space.tiles["stages"] + (space.tiles.get("deep_stages", [])
+                                                     if rows <= max(space.tiles.get("deep_max_rows", [0])) else [])
+                act = ([(st, xa, 0) for st, xa in itertools.product(stages_rp, space.tiles["x_ahead"])]
                        if warp_nt in space.tiles["warp_nt"] else [])
                 act += [(st, 0, 1) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
                 for stages, xa, xs in act:
                     tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
+                    if not (xs or _base_stages(spec)) and spec.threads > max(space.tiles.get("deep_max_threads", [0])):
+                        continue  # a deeper ring at 512 threads (128-register cap) spilled (FP8 r16 nt2)
                     for occ in space.tiles["occupancy"]:
                         t = replace(spec.tile, min_blocks=min_blocks(spec, occ))
                         c = replace(spec, tile=t)

@@ -255,3 +255,29 @@ def test_wsplit_tiles_are_their_plans_twins_with_a_cta_per_k_worker() -> None:
     assert "x_smem" in illegal_reason(replace(base, tile=replace(base.tile, x_smem=0)))
     assert "wsplit_tiles" in illegal_reason(replace(base, tile=replace(base.tile, rows=16)))
     assert not any(c.tile.wsplit for c in candidates(70, "nvfp4", 8704, 5120))
+
+
+def test_deep_stage_tiles_race_inside_the_existing_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deep_stages: register-path tiles of <= deep_max_rows rows and <= deep_max_threads threads
+    also come with a deeper weight ring (more bytes in flight at M <= 16); the K plans are derived
+    from the base stages alone, so adding them never changes which plans a problem has."""
+    import dflashgen.schedule as sched
+
+    space = load_space(90)
+    problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("fp8_channel", 34816, 5120),
+                ("nvfp4", 8704, 5120), ("fp8_channel", 5120, 4352))
+    with_deep = {p: sched._mma_sync_plans(90, *p) for p in problems}
+    shallow = replace(space, tiles={**space.tiles, "deep_stages": []})
+    monkeypatch.setattr(sched, "load_space", lambda arch: shallow if arch == 90 else load_space(arch))
+    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == with_deep
+    monkeypatch.undo()
+    deep = set(space.tiles["deep_stages"]) - set(space.tiles["stages"])
+    assert deep
+    for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 8704, 5120)):
+        cands = candidates(90, fmt, n, k)
+        extra = [c for c in cands if c.tile.stages in deep and not c.tile.x_smem]
+        base_plans = {c.kplan for c in cands if c.tile.stages not in deep}
+        assert extra and all(c.kplan in base_plans for c in extra)
+        assert all(c.tile.rows <= max(space.tiles["deep_max_rows"]) for c in extra)
+        assert all(c.threads <= max(space.tiles["deep_max_threads"]) for c in extra)
+        assert all(f"_st{c.tile.stages}_" in c.name for c in extra)
