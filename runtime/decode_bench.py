@@ -281,6 +281,7 @@ class BenchConfig:
     join_group: int = 1  # SpecDecoder's admission group (join_group_for)
     overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (default on CUDA)
     sampled_drafts: bool = False  # block drafter: sampled requests' drafts drawn with q (default: argmax, DFlash's)
+    prefill_sm_carveout: int | None = None  # SpecDecoder's: SMs the overlapped prefill's cuBLAS GEMMs leave free
 
     def join_group_for(self, b: int) -> int:
         """SpecDecoder's admission group at batch size b (capped at b). Default 1, each request as
@@ -309,6 +310,9 @@ class BenchConfig:
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
         if isinstance(self.join_group, bool) or not isinstance(self.join_group, int) or self.join_group < 1:
             raise ValueError(f"join_group must be an integer >= 1, got {self.join_group!r}")
+        c = self.prefill_sm_carveout
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1 or self.overlap_prefill is False):
+            raise ValueError(f"prefill_sm_carveout must be an integer >= 1 (SMs) with overlapped prefill, got {c!r}")
         if self.max_len is not None and self.prompt_len + self.output_len > self.max_len:
             raise ValueError(f"prompt length {self.prompt_len} + {self.output_len} output tokens exceeds "
                              f"max_len={self.max_len}")
@@ -416,7 +420,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     for b in cfg.batches:
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
                           num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler,
-                          join_group=cfg.join_group_for(b), overlap_prefill=cfg.overlap_prefill)
+                          join_group=cfg.join_group_for(b), overlap_prefill=cfg.overlap_prefill,
+                          prefill_sm_carveout=cfg.prefill_sm_carveout)
         if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
@@ -477,7 +482,9 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
     header = (f"{label}; target {tc.source} ({tc.num_hidden_layers} layers, vocab {tc.vocab_size}) on "
               f"{where}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
               f"output tokens; q{NUM_DRAFT}; {sampling}; "
-              f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling")
+              f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling"
+              + (f"; overlapped prefill leaves {cfg.prefill_sm_carveout} SMs to the rounds (cuBLAS carveout)"
+                 if cfg.prefill_sm_carveout else ""))
     note = None
     if cfg.synthetic_acceptance:
         note = (f"SYNTHETIC ACCEPTANCE (benchmark only): each draft's accept/reject decision under sampled "
@@ -655,6 +662,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", choices=("overlap", "stall"), default=None,
                    help="joining requests: prefill beside the rounds of the requests in flight on a low-priority "
                         "stream (overlap, the default on CUDA) or while they wait (stall)")
+    p.add_argument("--prefill-sm-carveout", type=int, default=None, metavar="N",
+                   help="overlapped prefill: its cuBLAS GEMMs target all but N SMs (torch's experimental cuBLAS SM "
+                        "carveout), leaving them to the rounds' kernels; default: none")
     p.add_argument("--sampled-drafts", action="store_true",
                    help="block drafter: sampled requests draw their drafts from the drafter's distribution and "
                         "verification uses it (q); default: argmax drafts, verified without draft probabilities "
@@ -708,7 +718,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
                           not args.no_synthetic_acceptance, not args.no_graphs, args.sampler,
                           args.join_group, None if args.prefill is None else args.prefill == "overlap",
-                          args.sampled_drafts)
+                          args.sampled_drafts, args.prefill_sm_carveout)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")

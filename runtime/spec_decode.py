@@ -346,15 +346,32 @@ class _Loading:
     done: Any = None
 
 
+@contextlib.contextmanager
+def _sm_carveout(n: int | None) -> Iterator[None]:
+    """cuBLAS calls made inside target at most (SMs - n) SMs (torch's experimental SM carveout, read
+    per call on the host), so a prefill layer's long GEMM CTAs leave n SMs free for the rounds'
+    kernels on the other stream; the previous setting is restored. n None: no change."""
+    if n is None:
+        yield
+        return
+    prev = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(n)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(prev)
+
+
 class _Overlap:
     """Overlapped prefill: the rounds run on a high-priority stream, queued prefills on a low-priority
     side stream (so the GPU serves a round's kernels first and fills the gaps with prefill work); on
     CPU no streams, the layers just interleave with the rounds. ``retired``: activated prefills whose
     scratch state the round stream may still be copying (dropped after the round's sync)."""
 
-    def __init__(self, device: torch.device, per_round: int | None) -> None:
+    def __init__(self, device: torch.device, per_round: int | None, sm_carveout: int | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.per_round = per_round if per_round is not None or self.cuda else 4
+        self.sm_carveout = sm_carveout  # SMs the prefill's cuBLAS GEMMs leave to the rounds (None: none)
         # lower number = higher priority; out-of-range values map to the device's extremes
         self.rounds = torch.cuda.Stream(device, priority=-8) if self.cuda else None
         self.side = torch.cuda.Stream(device, priority=0) if self.cuda else None
@@ -374,7 +391,8 @@ class _Overlap:
                 job.start = torch.cuda.Event(enable_timing=True)
                 job.start.record()
             try:
-                next(job.steps)
+                with _sm_carveout(self.sm_carveout):
+                    next(job.steps)
             except StopIteration as fin:
                 job.finish, job.steps = fin.value, None
                 if self.cuda:
@@ -438,7 +456,7 @@ class SpecDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
                  *, state: DecodeState | None = None, graphs: bool | None = None,
                  sampler: str | None = None, join_group: int = 1, overlap_prefill: bool | None = None,
-                 prefill_layers_per_round: int | None = None) -> None:
+                 prefill_layers_per_round: int | None = None, prefill_sm_carveout: int | None = None) -> None:
         """graphs: run the verify forward and the rollback as CUDA graphs captured per batch size
         1..max_batch (default: on a CUDA target without tensor parallelism); False runs the same
         steps eagerly (bitwise-identical). sampler: "compact" (the generated fused rejection-sampling
@@ -457,7 +475,12 @@ class SpecDecoder:
         a CUDA target without tensor parallelism. On CPU (True) the layers interleave with the rounds
         without concurrency, which exercises the same bookkeeping.
         prefill_layers_per_round: with overlap, layers queued per round; None: on CUDA, as many as the
-        round's target forward leaves host time for (at least one), on CPU 4."""
+        round's target forward leaves host time for (at least one), on CPU 4.
+        prefill_sm_carveout: with overlap, the overlapped prefill's cuBLAS GEMMs target all but this
+        many SMs (torch's experimental cuBLAS SM carveout), so the rounds' kernels find free SMs
+        instead of waiting behind long GEMM CTAs; None (default): no carveout. Scheduling only: the
+        same operations, but cuBLAS may pick another kernel for the smaller SM count, so prefill bits
+        can differ from an uncarved prefill (not from one another: the choice is per shape)."""
         if max_batch < 1 or max_len < 2 or num_draft < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
                              f"{num_draft}")
@@ -501,7 +524,16 @@ class SpecDecoder:
         if overlap_prefill and self.tp_group is not None:
             raise ValueError("overlap_prefill needs a target without tensor parallelism (its collectives "
                              "would run on two streams)")
-        self.overlap = _Overlap(target.device, prefill_layers_per_round) if overlap_prefill else None
+        if prefill_sm_carveout is not None and (isinstance(prefill_sm_carveout, bool) or not isinstance(
+                prefill_sm_carveout, int) or prefill_sm_carveout < 1):
+            raise ValueError(f"prefill_sm_carveout must be an integer >= 1 (SMs), got {prefill_sm_carveout!r}")
+        if prefill_sm_carveout is not None and not overlap_prefill:
+            raise ValueError("prefill_sm_carveout applies to overlapped prefill (overlap_prefill=True)")
+        if prefill_sm_carveout is not None and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise ValueError(f"prefill_sm_carveout needs torch's cuBLAS SM carveout (torch {torch.__version__} "
+                             "has no torch._C._set_sm_carveout_experimental)")
+        self.overlap = (_Overlap(target.device, prefill_layers_per_round, prefill_sm_carveout)
+                        if overlap_prefill else None)
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft, self.synthetic_acceptance)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order

@@ -227,3 +227,13 @@ def test_join_group_policy() -> None:
     assert [BenchConfig(join_group=3).join_group_for(b) for b in (1, 2, 4, 8)] == [1, 2, 3, 3]
     with pytest.raises(ValueError, match="join_group must be an integer >= 1"):
         BenchConfig(join_group=0).validate()
+
+
+def test_prefill_sm_carveout_config() -> None:
+    """--prefill-sm-carveout N: an integer >= 1, only with overlapped prefill (not with --prefill stall)."""
+    from dflashgen.runtime.decode_bench import BenchConfig
+
+    BenchConfig(prefill_sm_carveout=24).validate()
+    for bad in (BenchConfig(prefill_sm_carveout=0), BenchConfig(prefill_sm_carveout=24, overlap_prefill=False)):
+        with pytest.raises(ValueError, match="prefill_sm_carveout must be an integer >= 1"):
+            bad.validate()

@@ -484,3 +484,45 @@ def test_compact_sampler_falls_back_to_dense(model: TargetModel, oracle: list[li
     assert dec.sampler == "dense"
     with pytest.raises(ValueError, match="sampler"):
         SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, sampler="fast")
+
+
+def test_prefill_sm_carveout_wraps_only_the_overlapped_prefill(model: TargetModel, oracle: list[list[int]],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefill_sm_carveout: torch's cuBLAS SM carveout is set while an overlapped prefill layer is
+    queued and restored after it (the rounds never see it); invalid values and use without overlapped
+    prefill are errors. On CPU the tokens are those of the uncarved run."""
+    import dflashgen.runtime.spec_decode as sd
+
+    prompts = [PROMPTS[1 + i % 3] for i in range(5)]
+    cont = [oracle[1 + i % 3] for i in range(5)]
+    out = {}
+    real = sd._sm_carveout
+    for carve in (None, 24):
+        layers: list[int | None] = []
+        dec = SpecDecoder(model, ReplayDrafter(cont, 0.6, seed=1), max_batch=2, max_len=MAX_LEN,
+                          overlap_prefill=True, prefill_sm_carveout=carve)
+
+        def probe(n, layers=layers):  # records the carveout in force inside each layer
+            cm = real(n)
+
+            class _Probe:
+                def __enter__(self):
+                    cm.__enter__()
+                    layers.append(torch._C._get_sm_carveout_experimental())
+
+                def __exit__(self, *exc):
+                    return cm.__exit__(*exc)
+            return _Probe()
+
+        monkeypatch.setattr(sd, "_sm_carveout", probe)
+        out[carve] = dec.generate(prompts, GREEDY, [6, 9, 4, 8, 5], seed=2)
+        assert layers and set(layers) == {carve}  # every overlapped layer ran under the carveout
+        assert torch._C._get_sm_carveout_experimental() is None  # restored after each
+    assert out[None] == out[24]
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="prefill_sm_carveout must be an integer >= 1"):
+            SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, overlap_prefill=True,
+                        prefill_sm_carveout=bad)
+    with pytest.raises(ValueError, match="applies to overlapped prefill"):
+        SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=MAX_LEN, overlap_prefill=False,
+                    prefill_sm_carveout=8)
