@@ -609,18 +609,17 @@ def test_kernel_is_freed_by_refcount_after_a_generic_call(fake_gpu) -> None:
         gc.enable()
 
 
-def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, tmp_path) -> None:
-    """An x_smem ring above 48 KB is dynamic shared memory: the kernel opts in to its size when its
-    module loads and every launch passes that size; static kernels pass 0 and never opt in."""
+def _stub_module_loads(monkeypatch, handle: int, opted: list[tuple[str, int]]) -> _Recorder:
+    """GemmKernel's driver side replaced for CPU tests: modules load as stubs whose functions carry
+    ``handle`` (1: the recorder reads the plain signature, 2: the split-K one with tickets) and note
+    dynamic shared-memory opt-ins in ``opted``; launches go to the returned recorder on stream 7."""
     from dflashgen.runtime import driver, kernels
 
-    from dflashgen.schedule import KernelSpec, Tile, k_plan
-
-    rec, opted = _Recorder(), []
+    rec = _Recorder()
 
     class Fn:
         def __init__(self, name: str) -> None:
-            self.name, self.handle, self._raw_handle = name, 1, 1
+            self.name, self.handle, self._raw_handle = name, handle, handle
 
         def allow_dynamic_smem(self, nbytes: int) -> None:
             opted.append((self.name, nbytes))
@@ -637,6 +636,18 @@ def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, t
     monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
     monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
     monkeypatch.setattr(driver, "_untyped_launch_ex", lambda: rec.ex)
+    return rec
+
+
+def test_dynamic_shared_memory_kernels_opt_in_and_pass_their_size(monkeypatch, tmp_path) -> None:
+    """An x_smem ring above 48 KB is dynamic shared memory: the kernel opts in to its size when its
+    module loads and every launch passes that size; static kernels pass 0 and never opt in."""
+    from dflashgen.runtime import kernels
+
+    from dflashgen.schedule import KernelSpec, Tile, k_plan
+
+    opted: list[tuple[str, int]] = []
+    rec = _stub_module_loads(monkeypatch, 1, opted)
     image = tmp_path / "k.cubin"
     image.write_bytes(b"")
     n, k = 16480, 5120
@@ -660,31 +671,12 @@ def test_wsplit_kernels_launch_a_cta_per_k_worker(monkeypatch, tmp_path) -> None
     """A wsplit tile (the plan's warps_k K workers as CTAs of their own) launches split_k x warps_k
     CTAs along z with warps_n warps each, passes the split-K workspace and tickets (it reduces its
     partials itself), and sizes the partials for every worker: [8][M][N_PAD] for an sk1 wk8 plan."""
-    from dflashgen.runtime import driver, kernels
+    from dflashgen.runtime import kernels
 
     from dflashgen.schedule import KernelSpec, Tile, k_plan
 
-    rec = _Recorder()
-
-    class Fn:
-        def __init__(self, name: str) -> None:
-            self.name, self.handle, self._raw_handle = name, 2, 2  # handle 2: the recorder reads tickets
-
-        def allow_dynamic_smem(self, nbytes: int) -> None:
-            raise AssertionError("a 24 KB ring is static shared memory")
-
-    class Module:
-        def __init__(self, image: bytes, label: str) -> None:
-            pass
-
-        def function(self, name: str) -> Fn:
-            return Fn(name)
-
-    monkeypatch.setattr(kernels, "Module", Module)
-    monkeypatch.setattr(kernels, "ensure_context", lambda index: None)
-    monkeypatch.setattr(kernels, "stream_getter", lambda: (lambda index: 7))
-    monkeypatch.setattr(driver, "_untyped_launch", lambda: rec)
-    monkeypatch.setattr(driver, "_untyped_launch_ex", lambda: rec.ex)
+    opted: list[tuple[str, int]] = []
+    rec = _stub_module_loads(monkeypatch, 2, opted)  # split-K signature: the recorder reads the tickets
     image = tmp_path / "k.cubin"
     image.write_bytes(b"")
     kp = k_plan(90, "nvfp4", 8704, 5120)
@@ -702,3 +694,4 @@ def test_wsplit_kernels_launch_a_cta_per_k_worker(monkeypatch, tmp_path) -> None
     assert fn == 2 and grid == (1, 8704 // 16 // 4, 8)
     partials = kern._workspaces[7][0]
     assert partials.numel() == 8 * 64 * entry["n_pad"] and vals[6] == partials.data_ptr()
+    assert not opted  # a 24 KB ring is static shared memory
