@@ -4,9 +4,13 @@ steady-state rounds of one batch of B requests (prefill excluded: one stalling j
 B prompts, so no prefill runs beside the profiled rounds).
 
     python3 tools/profile_decode.py [--batches 1 8] [--layers 64] [--rounds 12] [--trace DIR]
+                                    [--joiner [--prefill-sm-carveout N]]
 
 Prints per B: wall ms per round, the kernels by total CUDA time (count per round), and the CPU ops
-by total CPU time. --trace writes a Chrome trace per B (gzip)."""
+by total CPU time. --trace writes a Chrome trace per B (gzip). --joiner: one more request waits,
+and request 0 stops after its first round, so the joiner's prefill runs on the side stream beside
+the profiled rounds (overlapped prefill, decode-bench's default): what it costs the rounds, and
+(--trace) whether their kernels wait behind the prefill's; --prefill-sm-carveout as decode-bench's."""
 
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--trace", default=None)
+    ap.add_argument("--joiner", action="store_true", help="profile rounds with a joiner prefilling beside them")
+    ap.add_argument("--prefill-sm-carveout", type=int, default=None)
     a = ap.parse_args()
     d = tempfile.mkdtemp()
     t0 = time.perf_counter()
@@ -48,23 +54,27 @@ def main() -> None:
     print(f"synthetic target written + loaded in {time.perf_counter() - t0:.1f} s")
     out_len = (a.rounds + 4) * (NUM_DRAFT + 1)  # more than the profiled rounds at full acceptance
     for b in a.batches:
-        cfg = BenchConfig(prompts=b, prompt_len=a.prompt_len, output_len=out_len, batches=(b,))
-        prompts = make_prompts(b, cfg.prompt_len, target.cfg.vocab_size, 0)
-        params = _params_for(cfg, b)
+        n_req = b + 1 if a.joiner else b
+        cfg = BenchConfig(prompts=n_req, prompt_len=a.prompt_len, output_len=out_len, batches=(b,))
+        prompts = make_prompts(n_req, cfg.prompt_len, target.cfg.vocab_size, 0)
+        params = _params_for(cfg, n_req)
+        # --joiner: request 0 leaves after its first round, request b then prefills beside the rounds
+        max_new = [NUM_DRAFT + 1] + [out_len] * (n_req - 1) if a.joiner else out_len
         conts = replay_continuations(target, prompts, out_len + NUM_DRAFT, cfg)
         block = _block_drafter(target, 0)
         max_len = cfg.prompt_len + out_len
         dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b,
-                          max_len=max_len, num_draft=NUM_DRAFT, overlap_prefill=False)  # all B rows from round 1
-        dec.generate(prompts, params, 2 * (NUM_DRAFT + 1))  # warm-up: capture, first-use builds
+                          max_len=max_len, num_draft=NUM_DRAFT, overlap_prefill=a.joiner,
+                          prefill_sm_carveout=a.prefill_sm_carveout)  # without --joiner: all B rows from round 1
+        dec.generate(prompts[:b], params[:b], 2 * (NUM_DRAFT + 1))  # warm-up: capture, first-use builds
         rounds = {"n": 0}
         prof_box: dict[str, profile] = {}
 
-        def observer(event: str, rid: int, n: int, rounds=rounds, prof_box=prof_box) -> None:
+        def observer(event: str, rid: int, n: int, rounds=rounds, prof_box=prof_box, dec=dec) -> None:
             # start after the first round (prefill done), stop after a.rounds more
-            if event != "tokens" or rid != 0:
+            if event != "tokens" or len(dec.stats.rounds) == rounds["n"]:
                 return
-            rounds["n"] += 1
+            rounds["n"] = len(dec.stats.rounds)
             if rounds["n"] == 1:
                 torch.cuda.synchronize()
                 p = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -77,14 +87,18 @@ def main() -> None:
                 prof_box["p"].__exit__(None, None, None)
 
         dec.observer = observer
-        dec.generate(prompts, params, out_len)
+        dec.generate(prompts, params, max_new)
         if "wall" not in rounds:
             print(f"B={b}: fewer than {a.rounds + 1} rounds ran; nothing profiled")
             continue
         prof = prof_box["p"]
         n = a.rounds
+        summ = dec.stats.summary()
         print(f"\n===== B={b}: {rounds['wall'] * 1e3 / n:.2f} ms wall per round over {n} rounds "
-              f"(accepted length {dec.stats.summary()['mean_acceptance_length']:.2f})")
+              f"(accepted length {summ['mean_acceptance_length']:.2f}"
+              + (f"; a joiner prefilling beside them, {summ['overlapped_prefills']} overlapped prefill(s)"
+                 + (f", SM carveout {a.prefill_sm_carveout}" if a.prefill_sm_carveout else "") if a.joiner else "")
+              + ")")
         ka = prof.key_averages()
         kernels = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
         total = sum(e.self_device_time_total for e in kernels) / 1e3 / n
