@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -453,19 +453,17 @@ class TargetModel(torch.nn.Module):
         self.device = torch.device(device)
         self.act_dtype = act_dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
         self.eps = cfg.rms_norm_eps
-        # The residual add + RMSNorm + FP16 cast of each norm site as one generated kernel (CUDA, FP16
-        # projections); DFLASHGEN_FUSED_NORM=0: torch's three ops (an A/B switch).
-        self.fused_norm = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_NORM", "1") != "0"
-                           and fused_available(self.device, cfg.hidden_size))
-        # A full-attention layer's q / k norms, RoPE and cache writes as one generated kernel (CUDA, FP16
-        # projections and caches); DFLASHGEN_FUSED_QK=0: torch's ops (an A/B switch).
-        self.fused_qk = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_FUSED_QK", "1") != "0"
-                         and qk_rope_available(self.device, cfg.head_dim))
-        # The GDN layers' glue (conv, SiLU, q / k norms, beta / decay; the gated norm) as the generated io
-        # kernels (CUDA, FP16 projections); DFLASHGEN_GDN_IO=0: torch's ops (an A/B switch).
+        # Generated glue kernels (CUDA, FP16 projections), each with an A/B switch ($env=0: torch's ops).
+        def glue(env: str, available: Callable[[], bool]) -> bool:
+            return self.act_dtype == torch.float16 and os.environ.get(env, "1") != "0" and available()
+
         gdn_dims = _gdn_dims(cfg)
-        self.gdn_io = (self.act_dtype == torch.float16 and os.environ.get("DFLASHGEN_GDN_IO", "1") != "0"
-                       and io_available(self.device, gdn_dims[2], gdn_dims[3]))
+        # the residual add + RMSNorm + FP16 cast of each norm site
+        self.fused_norm = glue("DFLASHGEN_FUSED_NORM", lambda: fused_available(self.device, cfg.hidden_size))
+        # a full-attention layer's q / k norms, RoPE and cache writes (FP16 caches too)
+        self.fused_qk = glue("DFLASHGEN_FUSED_QK", lambda: qk_rope_available(self.device, cfg.head_dim))
+        # the GDN layers' glue: conv, SiLU, q / k norms, beta / decay; the gated norm
+        self.gdn_io = glue("DFLASHGEN_GDN_IO", lambda: io_available(self.device, gdn_dims[2], gdn_dims[3]))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
