@@ -82,7 +82,7 @@ class Tile:
     warps_n: int
     stages: int
     min_blocks: int = 1  # __launch_bounds__ min blocks per SM: caps registers at 64K / (threads * it)
-    x_ahead: int = 1  # 1: activations fetched one group ahead (two buffers); 0: at their group's top
+    x_ahead: int = 1  # d > 0: activations fetched d groups ahead (d + 1 buffers); 0: at their group's top
     x_smem: int = 0  # 1: the CTA stages each K stage's activations in shared memory once (cp.async)
     # 1: each of the plan's split_k x warps_k K workers is a CTA of its own (warps_n warps, one
     # activation ring), reduced through the split-K workspace in the plan's order: the same bits as
@@ -192,7 +192,7 @@ class KernelSpec:
             chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
             return acc + 2 * a_frag + pipeline + 3 * chunks + 40
         # activations: current group + the one being fetched, or just the current one
-        xbuf = 2 if self.tile.x_ahead else 1
+        xbuf = self.tile.x_ahead + 1
         if self.tile.x_smem:  # one LDS.128 per 8 rows in flight, copier offsets and ring indices
             # wsplit with split-K: a second accumulator set while combining the workers (after the loop)
             combine = acc if self.tile.wsplit and self.kplan.split_k > 1 else 0
@@ -335,9 +335,11 @@ def _best_us(arch: int, fmt: str, n: int, k: int, plan: KPlan, m: int) -> float:
 
 
 def _base_stages(spec: KernelSpec) -> bool:
-    """A register-path tile at the space's base stages: the K plans are derived from those alone, so
-    the extra deep_stages candidates race within the plans and never change which plans exist."""
-    return spec.tile.stages in load_space(spec.arch).tiles["stages"]
+    """A register-path tile at the space's base stages and x_ahead: the K plans are derived from those
+    alone, so the extra deep_stages / far_x_ahead candidates race within the plans and never change
+    which plans exist."""
+    tiles = load_space(spec.arch).tiles
+    return spec.tile.stages in tiles["stages"] and spec.tile.x_ahead in tiles["x_ahead"]
 
 
 def illegal_reason(spec: KernelSpec) -> str | None:
@@ -395,6 +397,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     elif not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):
         return (f"x_ahead=0 only for warp_nt=1 tiles from rows={space.limits['x_ahead_off_from_rows']} "
                 "(the others have the registers or are register-bound on weights)")
+    elif t.x_ahead > 1 and (t.x_ahead not in space.tiles.get("far_x_ahead", [])
+                            or t.rows not in space.tiles.get("far_rows", [])):
+        return (f"x_ahead={t.x_ahead}: activations more than one group ahead only as the space's far_x_ahead "
+                f"{space.tiles.get('far_x_ahead', [])} for tiles of {space.tiles.get('far_rows', [])} rows")
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -492,7 +498,10 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                 # register-path tiles of <= deep_max_rows rows also race the deeper weight rings
                 stages_rp = space.tiles["stages"] + (space.tiles.get("deep_stages", [])
                                                      if rows <= max(space.tiles.get("deep_max_rows", [0])) else [])
-                act = ([(st, xa, 0) for st, xa in itertools.product(stages_rp, space.tiles["x_ahead"])]
+                # and activations further ahead (far_x_ahead) for those of far_rows rows
+                x_ahead_rp = space.tiles["x_ahead"] + (space.tiles.get("far_x_ahead", [])
+                                                       if rows in space.tiles.get("far_rows", []) else [])
+                act = ([(st, xa, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
                        if warp_nt in space.tiles["warp_nt"] else [])
                 act += [(st, 0, 1) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
                 for stages, xa, xs in act:

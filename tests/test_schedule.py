@@ -281,3 +281,31 @@ def test_deep_stage_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mon
         assert all(c.tile.rows <= max(space.tiles["deep_max_rows"]) for c in extra)
         assert all(c.threads <= max(space.tiles["deep_max_threads"]) for c in extra)
         assert all(f"_st{c.tile.stages}_" in c.name for c in extra)
+
+
+def test_far_x_ahead_tiles_race_inside_the_existing_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """far_x_ahead: register-path tiles of far_rows rows also fetch activations two groups ahead
+    (three buffers, names `_xa2_`); like deep stages they never change which K plans exist, and the
+    legality rules keep x_ahead > 1 off every other tile and arch."""
+    import dflashgen.schedule as sched
+
+    space = load_space(90)
+    problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
+    with_far = {p: sched._mma_sync_plans(90, *p) for p in problems}
+    near = replace(space, tiles={**space.tiles, "far_x_ahead": []})
+    monkeypatch.setattr(sched, "load_space", lambda arch: near if arch == 90 else load_space(arch))
+    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == with_far
+    monkeypatch.undo()
+    for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 34816, 5120), ("nvfp4", 5120, 17408)):
+        cands = candidates(90, fmt, n, k)
+        far = [c for c in cands if c.tile.x_ahead == 2]
+        assert far and all(c.tile.rows in space.tiles["far_rows"] and not c.tile.x_smem for c in far)
+        assert all("_xa2_" in c.name for c in far)
+        assert {c.kplan for c in far} <= {c.kplan for c in cands if c.tile.x_ahead < 2}
+        # three activation buffers: the register estimate grows by one buffer over the x_ahead = 1 twin
+        twin = replace(far[0], tile=replace(far[0].tile, x_ahead=1))
+        assert far[0].reg_estimate() > twin.reg_estimate()
+    base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.x_ahead == 2)
+    assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, rows=8)))
+    assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, x_ahead=3)))
+    assert not any(c.tile.x_ahead > 1 for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))

@@ -10,7 +10,8 @@
 #                                          # those GPU tests first;
 #                                          # AB="decode-bench args" also runs B4 / B8 with them (e.g.
 #                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
-#                                          # profiles GEMM kernels (tools/ncu_kernel.py)
+#                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
+#                                          # also the stalls per SASS line, tools/ncu_stalls.py)
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

@@ -7,7 +7,8 @@ if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/i
 fi
 
 # The ncu sections every GEMM profile reads, and `ncu_gemms DIR "name_regex@M ..."`: one
-# tools/ncu_kernel.py run per kernel into DIR/ncu-<name>-m<M>.txt, with its headline figures printed.
+# tools/ncu_kernel.py run per kernel into DIR/ncu-<name>-m<M>.txt, with its headline figures printed;
+# NCU_SOURCE=1 adds a PC-sampling run per kernel, summarised per SASS line into DIR/stalls-<name>-m<M>.txt.
 NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
      --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
      --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active"
@@ -20,5 +21,13 @@ ncu_gemms() {
       --sass > "$dir/ncu-$name-m$m.txt" 2>&1
     grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache|Issue Slots|hmma|Registers Per|Achieved Occ" \
       "$dir/ncu-$name-m$m.txt" | head -12
+    if [ -n "${NCU_SOURCE:-}" ]; then  # which SASS lines the warps stall on (PC sampling), tools/ncu_stalls.py
+      local rep=/tmp/ncu-src-$m-$RANDOM
+      timeout 90 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:$name" \
+        --launch-skip 2 --launch-count 1 -o "$rep" python3 tools/ncu_kernel.py "$name" "$m" > /dev/null 2>&1
+      ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2> "$rep.err"
+      python3 tools/ncu_stalls.py "$rep.csv" > "$dir/stalls-$name-m$m.txt" 2>&1 || cat "$rep.err" >> "$dir/stalls-$name-m$m.txt"
+      head -20 "$dir/stalls-$name-m$m.txt"
+    fi
   done
 }

@@ -25,7 +25,7 @@ struct Cfg {
   static constexpr int WARPS_K = 2;
   static constexpr int SPLIT_K = 2;
   static constexpr int STAGES = 3;
-  static constexpr bool X_AHEAD = false;
+  static constexpr int X_AHEAD = 0;  // groups the activation loads run ahead
   static constexpr bool X_SMEM = true;
   static constexpr bool WGMMA = true;
 };

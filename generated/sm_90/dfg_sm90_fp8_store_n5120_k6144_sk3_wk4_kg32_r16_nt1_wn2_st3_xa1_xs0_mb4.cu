@@ -24,7 +24,7 @@ struct Cfg {
   static constexpr int WARPS_K = 4;
   static constexpr int SPLIT_K = 3;
   static constexpr int STAGES = 3;
-  static constexpr bool X_AHEAD = true;
+  static constexpr int X_AHEAD = 1;  // groups the activation loads run ahead
   static constexpr bool X_SMEM = false;
 };
 using Gemm = dflashgen::SkinnyGemm<Cfg>;

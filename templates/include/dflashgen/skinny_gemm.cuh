@@ -247,8 +247,10 @@ struct SkinnyGemm {
         }
       pdl_wait_after(dep);
 
-      // groups per trip: a multiple of 2 and of STAGES (and, for X_SMEM, of the ring's XST)
-      constexpr int U0 = Cfg::STAGES % 2 ? 2 * Cfg::STAGES : Cfg::STAGES;
+      // groups per trip: a multiple of STAGES and of XB (2; X_AHEAD + 1 activation buffers when
+      // X_AHEAD > 1) and, for X_SMEM, of the ring's XST
+      constexpr int XB = Cfg::X_AHEAD > 1 ? Cfg::X_AHEAD + 1 : 2;
+      constexpr int U0 = Cfg::STAGES * XB / gcd_c(Cfg::STAGES, XB);
       constexpr int U = Cfg::X_SMEM && !WG ? U0 * XST / gcd_c(U0, XST) : U0;
       if constexpr (WG) {
 #ifdef DFLASHGEN_WGMMA
@@ -257,25 +259,28 @@ struct SkinnyGemm {
       } else if constexpr (Cfg::X_SMEM) {
         run_xsmem<U>(x, M, m0, gb, groups, wk, wn, lane, wp, sp, wbuf, sbuf, acc, smem);
       } else {
-      // X_AHEAD: activations for the first group now; later ones are fetched one group ahead of
-      // their MMAs into the other buffer. Otherwise (large row tiles, where two buffers cost
-      // 2 x NT8 x KSUB x 4 registers and occupancy) each group's activations are loaded at the top
-      // of its step and other warps hide the latency. A trip covers U groups, U a multiple of 2
-      // and of STAGES, so the weight ring slot (u % STAGES) and the activation buffer (u & 1) are
-      // compile-time per step and nothing is copied between registers at the back edge.
-      constexpr int XBUF = Cfg::X_AHEAD ? 2 : 1;
+      // X_AHEAD = d > 0: activations for the first d groups now; later ones are fetched d groups
+      // ahead of their MMAs into d + 1 rotating buffers (d = 2: the served M = 8 tiles stalled on
+      // activation loads from L2 issued one group ahead, ncu session 11). Otherwise (large row
+      // tiles, where the buffers cost (d + 1) x NT8 x KSUB x 4 registers and occupancy) each
+      // group's activations are loaded at the top of its step and other warps hide the latency. A
+      // trip covers U groups, U a multiple of the buffers and of STAGES, so the weight ring slot
+      // (u % STAGES) and the activation buffer (u % XBUF) are compile-time per step and nothing is
+      // copied between registers at the back edge.
+      constexpr int XA = Cfg::X_AHEAD;
+      constexpr int XBUF = XA + 1;
       typename T::XFrag xb[XBUF][NT8];
-      if constexpr (Cfg::X_AHEAD) {
 #pragma unroll
-        for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, 0, xb[0][j]);
-      }
+      for (int d = 0; d < XA; ++d)
+#pragma unroll
+        for (int j = 0; j < NT8; ++j) T::load_x(xp[j], d == 0 || d < groups, d * T::KG, xb[d][j]);
 
       // Group g + u of the running pointers' trip: decode, refill its ring slot STAGES ahead,
-      // fetch activations (the next group's if X_AHEAD and `more`), MMAs.
+      // fetch activations (group g + u + XA's if X_AHEAD and `more`: that group exists), MMAs.
       auto step = [&](const int u, const bool more) {
         const int s = u % Cfg::STAGES;
-        const int xc = Cfg::X_AHEAD ? (u & 1) : 0;
-        if constexpr (!Cfg::X_AHEAD) {
+        const int xc = u % XBUF;
+        if constexpr (!XA) {
 #pragma unroll
           for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, u * T::KG, xb[0][j]);
         }
@@ -286,9 +291,9 @@ struct SkinnyGemm {
           wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
           if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
         }
-        if constexpr (Cfg::X_AHEAD) {
+        if constexpr (XA) {
 #pragma unroll
-          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + 1) * T::KG, xb[(u + 1) & 1][j]);
+          for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + XA) * T::KG, xb[(u + XA) % XBUF][j]);
         }
 #pragma unroll
         for (int j = 0; j < NT8; ++j)
@@ -299,8 +304,9 @@ struct SkinnyGemm {
       // Full trips with a group after them: no per-group bounds check, every fetch taken.
       int g = 0;
       for (; g + U < groups; g += U) {
+        // a group follows the trip, so fetches up to one group past it need no check
 #pragma unroll
-        for (int u = 0; u < U; ++u) step(u, true);
+        for (int u = 0; u < U; ++u) step(u, u + XA <= U || g + u + XA < groups);
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
           wp[i] += U * 32;
@@ -318,7 +324,7 @@ struct SkinnyGemm {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (g + u >= groups) break;
-        step(u, g + u + 1 < groups);
+        step(u, g + u + XA < groups);
       }
       }  // !X_SMEM
     }
