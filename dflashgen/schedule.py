@@ -88,6 +88,9 @@ class Tile:
     # activation ring), reduced through the split-K workspace in the plan's order: the same bits as
     # the plan's in-CTA tiles, with few warps per CTA (names `_ws1`; skinny_gemm.cuh WSPLIT)
     wsplit: int = 0
+    # 1: register-path tile whose weight ring (stages groups per warp) sits in shared memory, filled
+    # with cp.async (names `_wa1`; skinny_gemm.cuh W_ASYNC): the same words, decode and MMAs
+    w_async: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class KernelSpec:
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
-                f"{'_ws1' if t.wsplit else ''}_mb{t.min_blocks}")
+                f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -178,6 +181,8 @@ class KernelSpec:
         red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
         ring = self.x_stages * self.workers_per_cta * self.tile.rows * self.kplan.k_group * 2
+        if self.tile.w_async:  # per warp and stage: 16 weight bytes and a 4-byte scale word per lane
+            return max(red, self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4))
         return max(red, ring) if self.tile.x_smem else red
 
     def reg_estimate(self) -> int:
@@ -186,7 +191,8 @@ class KernelSpec:
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
         a_frag = 16 if self.fmt == "nvfp4" else 8  # decoded A registers per warp tile and group
         x_frag = (self.kplan.k_group // (32 if self.fam == "sm80" else 8)) * 4  # per 8 rows, per group
-        pipeline = self.tile.stages * self.tile.warp_nt * 5
+        # the weight ring: 4 + 1 registers per stage and warp tile (w_async: in shared memory)
+        pipeline = (1 if self.tile.w_async else self.tile.stages) * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
         if self.kplan.wgmma:  # A fragments (x2: generous), descriptors; no activation registers
             chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
@@ -206,6 +212,8 @@ class KernelSpec:
         tile = asdict(self.tile)
         if not self.tile.wsplit:
             del tile["wsplit"]  # in-CTA tiles keep their pre-wsplit form
+        if not self.tile.w_async:
+            del tile["w_async"]  # register-ring tiles keep their pre-w_async form
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -339,7 +347,8 @@ def _base_stages(spec: KernelSpec) -> bool:
     alone, so the extra deep_stages / far_x_ahead candidates race within the plans and never change
     which plans exist."""
     tiles = load_space(spec.arch).tiles
-    return spec.tile.stages in tiles["stages"] and spec.tile.x_ahead in tiles["x_ahead"]
+    return (spec.tile.stages in tiles["stages"] and spec.tile.x_ahead in tiles["x_ahead"]
+            and not spec.tile.w_async)
 
 
 def illegal_reason(spec: KernelSpec) -> str | None:
@@ -401,6 +410,12 @@ def illegal_reason(spec: KernelSpec) -> str | None:
                             or t.rows not in space.tiles.get("far_rows", [])):
         return (f"x_ahead={t.x_ahead}: activations more than one group ahead only as the space's far_x_ahead "
                 f"{space.tiles.get('far_x_ahead', [])} for tiles of {space.tiles.get('far_rows', [])} rows")
+    if t.w_async and (t.x_smem or t.wsplit or spec.kplan.wgmma or spec.fam != "sm80"
+                      or t.stages not in space.tiles.get("w_async_stages", [])
+                      or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
+        return (f"w_async (the weight ring in shared memory, cp.async: sm_80+) only for register-path mma.sync "
+                f"tiles of <= {space.tiles.get('w_async_max_rows', [0])} rows at the space's w_async_stages "
+                f"{space.tiles.get('w_async_stages', [])}")
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -501,11 +516,15 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                 # and activations further ahead (far_x_ahead) for those of far_rows rows
                 x_ahead_rp = space.tiles["x_ahead"] + (space.tiles.get("far_x_ahead", [])
                                                        if rows in space.tiles.get("far_rows", []) else [])
-                act = ([(st, xa, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
+                act = ([(st, xa, 0, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
                        if warp_nt in space.tiles["warp_nt"] else [])
-                act += [(st, 0, 1) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
-                for stages, xa, xs in act:
-                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs)
+                act += [(st, 0, 1, 0) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
+                # and the weight ring in shared memory (w_async) for those of <= w_async_max_rows rows
+                if warp_nt in space.tiles["warp_nt"] and rows <= max(space.tiles.get("w_async_max_rows", [0])):
+                    act += [(st, xa, 0, 1) for st, xa in itertools.product(space.tiles.get("w_async_stages", []),
+                                                                           space.tiles["x_ahead"])]
+                for stages, xa, xs, wa in act:
+                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs, w_async=wa)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
                     if not (xs or _base_stages(spec)) and spec.threads > max(space.tiles.get("deep_max_threads", [0])):
                         continue  # a deeper ring at 512 threads (128-register cap) spilled (FP8 r16 nt2)

@@ -309,3 +309,35 @@ def test_far_x_ahead_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mo
     assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, rows=8)))
     assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, x_ahead=3)))
     assert not any(c.tile.x_ahead > 1 for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
+
+
+def test_w_async_tiles_stage_the_weight_ring_in_shared_memory() -> None:
+    """w_async: register-path tiles of <= w_async_max_rows rows whose weight ring (stages groups per
+    warp: a 16-byte word and a 4-byte scale word per lane) sits in shared memory, filled by cp.async
+    (names `_wa1`). They race inside the existing K plans (never changing which plans exist), cost no
+    ring registers, and the legality rules keep them off x_smem / wsplit / wgmma tiles and sm_70."""
+    space = load_space(90)
+    for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352)):
+        cands = candidates(90, fmt, n, k)
+        wa = [c for c in cands if c.tile.w_async]
+        assert wa and all("_wa1_" in c.name and not c.tile.x_smem and not c.tile.wsplit for c in wa)
+        assert {c.kplan for c in wa} <= {c.kplan for c in cands if not c.tile.w_async}
+        assert {c.tile.stages for c in wa} == set(space.tiles["w_async_stages"])
+        assert all(c.tile.rows <= max(space.tiles["w_async_max_rows"]) for c in wa)
+        for c in wa:
+            twin = replace(c, tile=replace(c.tile, w_async=0))
+            assert c.reg_estimate() < twin.reg_estimate() or c.tile.stages == 1
+            assert c.smem_bytes() >= c.threads // 32 * c.tile.stages * c.tile.warp_nt * 32 * 20
+            assert c.to_dict()["tile"]["w_async"] == 1 and "w_async" not in twin.to_dict()["tile"]
+    base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.w_async)
+    for bad in (dict(rows=32), dict(stages=3), dict(x_smem=1, x_ahead=0)):
+        assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
+    assert "w_async" in illegal_reason(replace(base, tile=replace(base.tile, stages=3)))
+    assert not any(c.tile.w_async for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
+    # the manifest entry round-trips through the tuner's spec_of; only w_async sources declare W_ASYNC
+    from dflashgen.render import render_kernel
+    from dflashgen.tune import spec_of
+
+    assert spec_of(base.to_dict()) == base and spec_of(base.to_dict()).name == base.name
+    assert "static constexpr bool W_ASYNC = true;" in render_kernel(base)
+    assert "W_ASYNC" not in render_kernel(replace(base, tile=replace(base.tile, w_async=0, stages=3)))

@@ -50,11 +50,18 @@ def before_wait(sass: str) -> dict[str, list[str] | None]:
     return out
 
 
-def classify(op: str) -> str:
+def classify(op: str, w_async: bool = False) -> str:
+    """w_async (kernels named `_wa1_`): the weight ring is filled by cp.async, so its 16-byte
+    LDGSTS are weight words and its 4-byte ones block scales (and LDGDEPBAR closes each group); in
+    any other kernel an LDGSTS is an activation copy."""
     if ".NA.128" in op:
         return "weight"
     if re.search(r"LDG\.E\.CONSTANT\b", op):  # 32-bit block scales (__ldg)
         return "scale"
+    if w_async and op.startswith("LDGSTS"):
+        return "weight" if ".128" in op else "scale"
+    if w_async and op == "LDGDEPBAR":
+        return "commit"
     return "other"
 
 
@@ -75,7 +82,7 @@ def main() -> int:
         for fn, loads in before_wait(sass).items():
             if loads is None:
                 continue
-            kinds = [classify(op) for op in loads]
+            kinds = [classify(op, "_wa1_" in fn) for op in loads]
             other = [op for op, k in zip(loads, kinds, strict=True) if k == "other"]
             key = (kinds.count("weight"), kinds.count("scale"))
             counts[key] = counts.get(key, 0) + 1

@@ -32,8 +32,9 @@ constexpr int PAD_GROUPS = 8;
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// Weights are read exactly once: stream them past L1. `volatile` pins the load where the pipeline
-// issues it (STAGES groups ahead); a plain asm may be sunk next to its use, which kills the prefetch.
+// Weights are read exactly once: stream them past L1. `volatile` keeps NVVM from moving the load,
+// but ptxas still may: in the register-path tiles it put every refill of an unrolled trip at the
+// trip's end (session 11), which is what the W_ASYNC shared-memory ring avoids.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -67,6 +68,20 @@ __device__ __forceinline__ void cp_async16_if(void* smem, const void* gmem, bool
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("{.reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;}"
                :: "r"(s), "l"(gmem), "r"(static_cast<int>(pred)) : "memory");
+#endif
+}
+// Unpredicated 16- and 4-byte forms (W_ASYNC weight ring: every copy is in bounds, the streams are
+// padded); the 4-byte one goes through L1 (.ca: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(s), "l"(gmem) : "memory");
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {

@@ -29,6 +29,14 @@ namespace dflashgen {
 template <class...>
 using void_t = void;
 __host__ __device__ constexpr int gcd_c(int a, int b) { return b == 0 ? a : gcd_c(b, a % b); }
+template <bool B, class A, class C>
+struct Select {
+  using type = A;
+};
+template <class A, class C>
+struct Select<false, A, C> {
+  using type = C;
+};
 template <int V>
 struct IntC {
   static constexpr int value = V;
@@ -97,6 +105,17 @@ struct CfgWsplit<C, void_t<decltype(C::WSPLIT)>> {
   static constexpr bool value = C::WSPLIT;
 };
 
+// Cfg::W_ASYNC where the tile stages its weights in shared memory with cp.async (only such Cfgs
+// declare it).
+template <class C, class = void>
+struct CfgWasync {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWasync<C, void_t<decltype(C::W_ASYNC)>> {
+  static constexpr bool value = C::W_ASYNC;
+};
+
 template <class Cfg>
 struct SkinnyGemm {
   using T = typename Cfg::Traits;
@@ -138,13 +157,31 @@ struct SkinnyGemm {
   static constexpr int XPER = (XCHUNKS + XTHR - 1) / XTHR;  // chunks per copier and stage
   static constexpr int XRSTEP = XTHR / T::XCPR;             // rows between a copier's chunks
 
+  // W_ASYNC (register-path tiles, sm_80+): the weight ring of STAGES groups lives in shared memory
+  // and is filled with cp.async, each lane copying (and later reading) only its own 16-byte weight
+  // word and its own block-scale word, so no lane waits for another and cp.async.wait_group is the
+  // only synchronisation. Why: the register ring's refills (ld.global.nc into the registers a
+  // group was just decoded from) were all scheduled by ptxas at the end of the unrolled trip, so
+  // the first group of every trip waited a full DRAM round trip (SASS of the served M = 8 gate_up
+  // tile, session 11); copies have no destination register to keep live, and stay where issued.
+  // The same words reach the same decode and MMAs: bitwise the register path's results.
+  static constexpr bool W_ASYNC = CfgWasync<Cfg>::value;
+  static constexpr int WRW = W_ASYNC ? THREADS / 32 : 1;  // warps with a ring
+  struct WRing {
+    uint4 w[WRW][W_ASYNC ? Cfg::STAGES : 1][W_ASYNC ? Cfg::WARP_NT : 1][32];
+    typename T::Scale s[WRW][W_ASYNC ? Cfg::STAGES : 1][W_ASYNC ? Cfg::WARP_NT : 1][32];
+  };
+
   struct alignas(16) Smem {
     union {
       // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
       float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
       uint4 xs[Cfg::X_SMEM ? WK_CTA : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
+      typename Select<W_ASYNC, WRing, char>::type wr;  // a placeholder byte for other tiles
     };
   };
+  static_assert(!W_ASYNC || (!Cfg::X_SMEM && !WG && !WSPLIT), "W_ASYNC is a register-path (mma.sync, in-CTA) tile");
+  static_assert(!W_ASYNC || sizeof(typename T::Scale) == 4, "W_ASYNC copies 4-byte scale words (cp.async.ca)");
   static_assert(!Cfg::X_SMEM || T::HAS_X_SMEM, "X_SMEM needs a trait with a shared-memory B fragment order");
   static_assert(!Cfg::X_SMEM || Cfg::STAGES >= 2, "X_SMEM needs >= 2 stages");
   static_assert(!Cfg::X_SMEM || XTHR % T::XCPR == 0, "a copier's chunks must share one column");
@@ -222,29 +259,42 @@ struct SkinnyGemm {
         }
       }
 
-      // Register pipeline: STAGES groups of weights in flight ahead of the MMAs. Loads past this
-      // worker's range stay inside the buffer (prepack pads the streams) and are never used.
+      // Register pipeline: STAGES groups of weights in flight ahead of the MMAs (W_ASYNC: in this
+      // warp's shared-memory ring, one commit group per K group). Loads past this worker's range
+      // stay inside the buffer (prepack pads the streams) and are never used.
       uint4 wbuf[Cfg::STAGES][Cfg::WARP_NT];
       typename T::Scale sbuf[Cfg::STAGES][Cfg::WARP_NT];
-#pragma unroll
-      for (int s = 0; s < Cfg::STAGES; ++s)
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i) {
-          wbuf[s][i] = ld_stream(wp[i] + s * 32);
-          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + s * T::SCALE_WORDS);
-          else sbuf[s][i] = 0;
-        }
-      // Only the weight stream above may run ahead of the previous kernel: activations, partials,
-      // tickets and outputs below may be its outputs or inputs. The wait depends on every stage's
-      // first weight word and scale, so those loads are in flight (and landed) before it.
       unsigned dep = static_cast<unsigned>(M);
+      if constexpr (W_ASYNC) {
 #pragma unroll
-      for (int st = 0; st < Cfg::STAGES; ++st)
+        for (int s = 0; s < Cfg::STAGES; ++s) {
 #pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i) {
-          dep |= wbuf[st][i].x;
-          if constexpr (NVFP4) dep |= static_cast<unsigned>(sbuf[st][i]);
+          for (int i = 0; i < Cfg::WARP_NT; ++i) {
+            cp_async16(&smem.wr.w[warp][s][i][lane], wp[i] + s * 32);
+            if constexpr (NVFP4) cp_async4(&smem.wr.s[warp][s][i][lane], sp[i] + s * T::SCALE_WORDS);
+          }
+          cp_async_commit();
         }
+      } else {
+#pragma unroll
+        for (int s = 0; s < Cfg::STAGES; ++s)
+#pragma unroll
+          for (int i = 0; i < Cfg::WARP_NT; ++i) {
+            wbuf[s][i] = ld_stream(wp[i] + s * 32);
+            if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + s * T::SCALE_WORDS);
+            else sbuf[s][i] = 0;
+          }
+        // Only the weight stream above may run ahead of the previous kernel: activations, partials,
+        // tickets and outputs below may be its outputs or inputs. The wait depends on every stage's
+        // first weight word and scale, so those loads are in flight (and landed) before it.
+#pragma unroll
+        for (int st = 0; st < Cfg::STAGES; ++st)
+#pragma unroll
+          for (int i = 0; i < Cfg::WARP_NT; ++i) {
+            dep |= wbuf[st][i].x;
+            if constexpr (NVFP4) dep |= static_cast<unsigned>(sbuf[st][i]);
+          }
+      }
       pdl_wait_after(dep);
 
       // groups per trip: a multiple of STAGES and of XB (2; X_AHEAD + 1 activation buffers when
@@ -285,12 +335,23 @@ struct SkinnyGemm {
           for (int j = 0; j < NT8; ++j) T::load_x(xp[j], true, u * T::KG, xb[0][j]);
         }
         typename T::Frag frag[Cfg::WARP_NT];
+        // W_ASYNC: this lane's copies of group u have landed once at most STAGES - 1 newer commit
+        // groups are pending; it reads only what it copied itself
+        if constexpr (W_ASYNC) cp_async_wait<Cfg::STAGES - 1>();
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
-          T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-          wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
-          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+          if constexpr (W_ASYNC) {
+            const typename T::Scale sc = NVFP4 ? smem.wr.s[warp][s][i][lane] : 0;
+            T::decode(smem.wr.w[warp][s][i][lane], sc, frag[i]);
+            cp_async16(&smem.wr.w[warp][s][i][lane], wp[i] + (u + Cfg::STAGES) * 32);
+            if constexpr (NVFP4) cp_async4(&smem.wr.s[warp][s][i][lane], sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+          } else {
+            T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+            wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
+            if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+          }
         }
+        if constexpr (W_ASYNC) cp_async_commit();
         if constexpr (XA) {
 #pragma unroll
           for (int j = 0; j < NT8; ++j) T::load_x(xp[j], more, (u + XA) * T::KG, xb[(u + XA) % XBUF][j]);
@@ -326,13 +387,15 @@ struct SkinnyGemm {
         if (g + u >= groups) break;
         step(u, g + u + XA < groups);
       }
+      // the ring's last copies (past this worker's range) land before `red` may reuse the storage
+      if constexpr (W_ASYNC) cp_async_wait<0>();
       }  // !X_SMEM
     }
 
     pdl_launch_dependents();  // main loop done: the next GEMM may start streaming its weights
     // Intra-CTA K reduction in warp order.
     if constexpr (WK_CTA > 1) {
-      if constexpr (Cfg::X_SMEM) __syncthreads();  // `red` overlays the other workers' rings
+      if constexpr (Cfg::X_SMEM || W_ASYNC) __syncthreads();  // `red` overlays the other workers' rings
       if (wk > 0)
         each_acc([&](int i, int j, int e) { smem.red[wk - 1][wn][acc_index(i, j, e)][lane] = acc[i][j][e]; });
       __syncthreads();
