@@ -407,9 +407,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return (f"x_ahead=0 only for warp_nt=1 tiles from rows={space.limits['x_ahead_off_from_rows']} "
                 "(the others have the registers or are register-bound on weights)")
     elif t.x_ahead > 1 and (t.x_ahead not in space.tiles.get("far_x_ahead", [])
-                            or t.rows not in space.tiles.get("far_rows", [])):
+                            or t.rows not in space.tiles.get("far_rows", []) or t.stages not in space.tiles["stages"]):
         return (f"x_ahead={t.x_ahead}: activations more than one group ahead only as the space's far_x_ahead "
-                f"{space.tiles.get('far_x_ahead', [])} for tiles of {space.tiles.get('far_rows', [])} rows")
+                f"{space.tiles.get('far_x_ahead', [])} for tiles of {space.tiles.get('far_rows', [])} rows at the "
+                f"base stages {space.tiles['stages']} (with a deeper ring FP8 r16 nt2 spilled)")
     if t.w_async and (t.x_smem or t.wsplit or spec.kplan.wgmma or spec.fam != "sm80"
                       or t.stages not in space.tiles.get("w_async_stages", [])
                       or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):

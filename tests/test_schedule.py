@@ -308,6 +308,7 @@ def test_far_x_ahead_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mo
     base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.x_ahead == 2)
     assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, rows=8)))
     assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, x_ahead=3)))
+    assert "far_x_ahead" in illegal_reason(replace(base, tile=replace(base.tile, stages=4)))
     assert not any(c.tile.x_ahead > 1 for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
 
 
