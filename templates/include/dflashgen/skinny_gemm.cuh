@@ -25,7 +25,7 @@
 
 namespace dflashgen {
 
-// Cfg::WGMMA where the kernel's K plan is `wgmma` (only such Cfgs declare it).
+// void_t for the optional Cfg flags (DFLASHGEN_CFG_FLAG below).
 template <class...>
 using void_t = void;
 __host__ __device__ constexpr int gcd_c(int a, int b) { return b == 0 ? a : gcd_c(b, a % b); }
@@ -86,35 +86,22 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
-template <class C, class = void>
-struct CfgWgmma {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgWgmma<C, void_t<decltype(C::WGMMA)>> {
-  static constexpr bool value = C::WGMMA;
-};
-
-// Cfg::WSPLIT where the tile puts each K worker in a CTA of its own (only such Cfgs declare it).
-template <class C, class = void>
-struct CfgWsplit {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgWsplit<C, void_t<decltype(C::WSPLIT)>> {
-  static constexpr bool value = C::WSPLIT;
-};
-
-// Cfg::W_ASYNC where the tile stages its weights in shared memory with cp.async (only such Cfgs
-// declare it).
-template <class C, class = void>
-struct CfgWasync {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgWasync<C, void_t<decltype(C::W_ASYNC)>> {
-  static constexpr bool value = C::W_ASYNC;
-};
+// Optional tile flags: Cfg::FLAG where a kernel's Cfg declares it, false where it does not (only the
+// kernels of a wgmma K plan declare WGMMA, wsplit tiles WSPLIT, w_async tiles W_ASYNC), so the
+// sources of the other kernels never mention them.
+#define DFLASHGEN_CFG_FLAG(TRAIT, FLAG)        \
+  template <class C, class = void>             \
+  struct TRAIT {                               \
+    static constexpr bool value = false;       \
+  };                                           \
+  template <class C>                           \
+  struct TRAIT<C, void_t<decltype(C::FLAG)>> { \
+    static constexpr bool value = C::FLAG;     \
+  };
+DFLASHGEN_CFG_FLAG(CfgWgmma, WGMMA)
+DFLASHGEN_CFG_FLAG(CfgWsplit, WSPLIT)
+DFLASHGEN_CFG_FLAG(CfgWasync, W_ASYNC)
+#undef DFLASHGEN_CFG_FLAG
 
 template <class Cfg>
 struct SkinnyGemm {
