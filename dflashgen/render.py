@@ -185,11 +185,18 @@ def template_hash() -> str:
 _INCLUDE = re.compile(r'#include\s*[<"](?:dflashgen/)?([\w.]+\.cuh)[>"]')
 
 
+def headers_dir() -> Path:
+    """The kernel headers' include root (templates/include) of this install: the build hashes the
+    headers found here and hands the same folder to the compiler (build.ninja), so a fingerprint never
+    names headers other than those compiled."""
+    return Path(str(resources.files("dflashgen.templates"))) / "include"
+
+
 def header_hash(source: str) -> str:
     """Hash of the dflashgen headers ``source`` includes, transitively: with the source itself, all
     a kernel's build depends on among our files (a change to another family's header rebuilds
     nothing here)."""
-    inc = Path(str(resources.files("dflashgen.templates"))) / "include" / "dflashgen"
+    inc = headers_dir() / "dflashgen"
     seen: list[str] = []
     todo = _INCLUDE.findall(source)
     while todo:

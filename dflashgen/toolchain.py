@@ -53,11 +53,12 @@ def pip_ptxas() -> Path:
     return _need(d / "bin" / "ptxas" if d else None, "ptxas 12.x", "nvidia-cuda-nvcc-cu12")
 
 
-@lru_cache(maxsize=2)
-def include_dirs(nvcc: bool = False) -> tuple[Path, ...]:
-    """Our kernel headers and CUTLASS/CuTe; for NVRTC also libcu++ (cuda/std) and the CUDA runtime
-    headers from the pip wheels (nvcc brings its own)."""
-    here = Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
+@lru_cache(maxsize=4)
+def include_dirs(nvcc: bool = False, headers: Path | None = None) -> tuple[Path, ...]:
+    """Our kernel headers (``headers``: the build's choice, else this install's) and CUTLASS/CuTe;
+    for NVRTC also libcu++ (cuda/std) and the CUDA runtime headers from the pip wheels (nvcc brings
+    its own)."""
+    here = headers or Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
     cutlass = _pkg_dir("cutlass_library")
     # DFLASHGEN_CUTLASS_INCLUDE: a CUTLASS checkout (or header subset) instead of the wheel's
     cutlass_inc = Path(os.environ["DFLASHGEN_CUTLASS_INCLUDE"]) if os.environ.get("DFLASHGEN_CUTLASS_INCLUDE") \
@@ -137,7 +138,8 @@ def plan_for(arch: int, prefer: str = "auto") -> Plan:
     return Plan(arch, "nvrtc", str(ptxas), f"nvrtc {nvrtc_version()} ptxas {_tool_version(str(ptxas))}")
 
 
-def nvrtc_compile(src: Path, out: Path, arch: int | str, extra: tuple[str, ...] = ()) -> str:
+def nvrtc_compile(src: Path, out: Path, arch: int | str, extra: tuple[str, ...] = (),
+                  headers: Path | None = None) -> str:
     """CUDA C++ -> PTX for compute_<arch> with NVRTC (arch "90a": the arch-specific target, for
     wgmma). Returns the compiler log."""
     lib = ctypes.CDLL(str(nvrtc_lib()))
@@ -146,7 +148,7 @@ def nvrtc_compile(src: Path, out: Path, arch: int | str, extra: tuple[str, ...] 
     if lib.nvrtcCreateProgram(ctypes.byref(prog), code, src.name.encode(), 0, None, None) != 0:
         raise ToolchainError(f"nvrtcCreateProgram failed for {src}")
     opts = [f"--gpu-architecture=compute_{arch}", "-default-device", *CXX_FLAGS, *extra]
-    opts += [f"-I{d}" for d in include_dirs()]
+    opts += [f"-I{d}" for d in include_dirs(headers=headers)]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -213,18 +215,17 @@ def _target(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflashgen.toolchain")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("nvrtc", help="CUDA C++ -> PTX with NVRTC 12")
-    c.add_argument("src", type=Path)
-    c.add_argument("-o", "--out", type=Path, required=True)
-    c.add_argument("--arch", type=_target, required=True)
-    n = sub.add_parser("nvcc-ptx", help="CUDA C++ -> PTX with the system nvcc")
-    n.add_argument("src", type=Path)
-    n.add_argument("-o", "--out", type=Path, required=True)
-    n.add_argument("--arch", type=_target, required=True)
+    for cmd, what in (("nvrtc", "CUDA C++ -> PTX with NVRTC 12"), ("nvcc-ptx", "CUDA C++ -> PTX with the system nvcc")):
+        p = sub.add_parser(cmd, help=what)
+        p.add_argument("src", type=Path)
+        p.add_argument("-o", "--out", type=Path, required=True)
+        p.add_argument("--arch", type=_target, required=True)
+        # the kernel headers the build hashed (build.ninja passes them; default: this install's)
+        p.add_argument("--headers", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "nvrtc":
-            log = nvrtc_compile(args.src, args.out, args.arch)
+            log = nvrtc_compile(args.src, args.out, args.arch, headers=args.headers)
             log = "\n".join(x for x in log.splitlines() if "deprecated" not in x and x.strip())
             if log:
                 print(log, file=sys.stderr)
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             arch = (f"-gencode=arch=compute_{args.arch},code=compute_{args.arch}" if args.arch.endswith("a")
                     else f"-arch=compute_{args.arch}")
             cmd = [str(nvcc), "-ptx", arch, *CXX_FLAGS, "-o", str(tmp), str(args.src)]
-            cmd += [f"-I{d}" for d in include_dirs(nvcc=True)]
+            cmd += [f"-I{d}" for d in include_dirs(nvcc=True, headers=args.headers)]
             subprocess.run(cmd, check=True)
             os.replace(tmp, args.out)
     except (ToolchainError, subprocess.CalledProcessError) as e:

@@ -164,3 +164,16 @@ def test_carry_build_keeps_the_record_and_its_files(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(mod, "_entries", lambda arch: [{"name": "k", "source_sha256": "s2"}])
     with pytest.raises(SystemExit, match="missing or stale"):
         mod.main(str(tmp_path))
+
+
+def test_the_compiler_gets_the_headers_the_fingerprint_hashed(tmp_path: Path) -> None:
+    """build.ninja hands the compile step the header folder the build hashed (--headers), so a
+    kernel's content-keyed artifacts never come from other headers, e.g. when the editable install is
+    re-pointed to another checkout while a build runs."""
+    from dflashgen.build import _ninja_header
+    from dflashgen.render import headers_dir
+    from dflashgen.toolchain import include_dirs
+
+    rules = "\n".join(_ninja_header())
+    assert rules.count(f"--headers {headers_dir()}") == 2  # the NVRTC and the nvcc rule
+    assert include_dirs(headers=tmp_path)[0] == tmp_path and include_dirs()[0] == headers_dir()
