@@ -137,15 +137,20 @@ def test_only_pattern_matching_nothing_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "sm_70").exists()  # nothing half-written
 
 
-def test_carry_build_keeps_the_record_and_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tools/carry_build.py trims a build folder to the record and the files it lists for current
-    kernels (losing the record once left the H200 unable to load any sm_70 PTX)."""
+def _tool(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("carry_build", Path(__file__).parent.parent / "tools/carry_build.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_carry_build_keeps_the_record_and_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/carry_build.py trims a build folder to the record and the files it lists for current
+    kernels (losing the record once left the H200 unable to load any sm_70 PTX)."""
+    mod = _tool("carry_build")
     b = tmp_path / "build"
     for d in ("sm_70/aa", "sm_70/old", "sm_90/x", "src"):
         (b / d).mkdir(parents=True)
@@ -177,3 +182,23 @@ def test_the_compiler_gets_the_headers_the_fingerprint_hashed(tmp_path: Path) ->
     rules = "\n".join(_ninja_header())
     assert rules.count(f"--headers {headers_dir()}") == 2  # the NVRTC and the nvcc rule
     assert include_dirs(headers=tmp_path)[0] == tmp_path and include_dirs()[0] == headers_dir()
+
+
+def test_ncu_stalls_ranks_sass_lines_by_stall_samples(tmp_path: Path, monkeypatch, capsys) -> None:
+    """tools/ncu_stalls.py (NCU_SOURCE=1 on the GPU): finds its columns by name in an ncu source-page
+    CSV, ranks the SASS lines by stall samples with their largest reasons, and sums them per opcode."""
+    csv = tmp_path / "r.csv"
+    csv.write_text(
+        '==PROF== a line ncu prints first\n'
+        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"stall_long_sb","stall_wait"\n'
+        '"00a0","LDG.E.NA.128.CONSTANT R4, desc[UR6][R2.64]","10","9","0","10"\n'
+        '"00b0","HMMA.16816.F32 R8, R4, R12, R8","1,200","100","20","1,180"\n'
+        '"00c0","@!P0 F2FP.F16.E4M3.UNPACK_B R20, R4","300","280","290","10"\n')
+    monkeypatch.setattr(sys, "argv", ["ncu_stalls.py", str(csv), "--top", "2"])
+    _tool("ncu_stalls").main()
+    out = capsys.readouterr().out
+    assert "3 SASS lines, 1510 stall samples" in out
+    assert out.index("HMMA 79.5%") < out.index("F2FP 19.9%") < out.index("LDG 0.7%")
+    top = out.splitlines()[-2:]  # --top 2: HMMA first, with its largest reason first
+    assert "HMMA" in top[0] and "stall_wait 1180" in top[0] and "F2FP" in top[1] and "LDG" not in out.split("\n\n")[-1]
