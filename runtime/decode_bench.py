@@ -454,6 +454,13 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             "median_prefill_queue_ms": s["median_prefill_ms"],  # host time queuing overlapped layers
             "output_0": outs[0],
         }
+        # What the rounds alone explain (rounds x the sum of the phase medians) and what they leave:
+        # the prefills of joining requests (stalling or overlapped) and round-to-round spread.
+        round_ms = sum(row[f"median_{p}_ms"] for p in PHASE_NAMES)
+        rounds_s = s["rounds"] * round_ms / 1e3
+        row["round_ms"] = round_ms
+        row["outside_rounds_s"] = row["wall_s"] - rounds_s
+        row["rounds_tok_s"] = tokens / rounds_s if rounds_s > 0 else None
         if b == 1:
             b1_outputs = outs
         row["same_as_b1"] = sum(o == r for o, r in zip(outs, b1_outputs, strict=True)) if b1_outputs else None
@@ -471,9 +478,14 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
             dec_info: dict[str, Any], command: str, max_len: int) -> dict[str, Any]:
     """The report of the rows so far (ratios to B1 filled in place)."""
     b1 = next((r["output_tok_s"] for r in rows if r["B"] == 1), None)
+    b1_rounds = next((r.get("rounds_tok_s") for r in rows if r["B"] == 1), None)
     for r in rows:
         r["vs_b1"] = r["output_tok_s"] / b1 if b1 else None
         r["ideal_efficiency"] = r["output_tok_s"] / (r["B"] * b1) if b1 else None
+        # the same ratio from the rounds alone: what the efficiency would be if nothing outside the
+        # rounds (prefill above all) took wall time at any B
+        rt = r.get("rounds_tok_s")
+        r["rounds_efficiency"] = rt / (r["B"] * b1_rounds) if rt and b1_rounds else None
     p = cfg.params
     sampling = "greedy" if p.greedy else f"temperature={p.temperature:g} top-p={p.top_p:g} top-k={p.top_k}"
     tc = target.cfg
@@ -532,7 +544,8 @@ def _prefill_cell(r: dict[str, Any]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     cols = ["B", "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT", "p50 TPOT", "accepted length",
-            "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)", "join group"]
+            "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)", "join group",
+            "rounds-only efficiency", "outside rounds"]
     ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
     if ar:
         cols.append("all-reduce/round")
@@ -543,7 +556,9 @@ def format_table(report: dict[str, Any]) -> str:
                  _fmt(r["p50_ttft_ms"], ".2f", " ms"), _fmt(r["p50_tpot_ms"], ".2f", " ms"),
                  f"{r['accepted_length']:.2f}", f"{r['completed']}/{r['requests']}",
                  *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES), _prefill_cell(r),
-                 str(r.get("join_group", 1))]  # reports before the admission group admitted at once
+                 str(r.get("join_group", 1)),  # reports before the admission group admitted at once
+                 _fmt(None if r.get("rounds_efficiency") is None else 100 * r["rounds_efficiency"], ".1f", "%"),
+                 _fmt(r.get("outside_rounds_s"), ".2f", " s")]
         if ar:
             cells.append(_fmt(r.get("allreduce_ms_per_round"), ".2f", " ms"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -558,6 +573,9 @@ def format_markdown(report: dict[str, Any]) -> str:
             "stream beside the rounds (their device time, contention included; the others keep decoding); "
             "join group: waiting requests are admitted once this many "
             "slots are free (1: at once), in one joint prefill. "
+            "Rounds-only efficiency: the ideal efficiency from rounds x the sum of the phase medians alone "
+            "(as if nothing outside the rounds took wall time); outside rounds: wall clock minus that "
+            "(prefills, stalling or overlapped, and round-to-round spread). "
             "TTFT runs from a request's admission (B requests in flight, prefill included) to its first "
             "token; TPOT = (t_last - t_first) / (n - 1) per request. Ideal efficiency = tok/s(B) / "
             "(B x tok/s(B1)).\n")

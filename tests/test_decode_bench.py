@@ -71,8 +71,16 @@ def test_greedy_replay_bench(tmp_path: Path, tiny_json: Path) -> None:
         assert r["p50_ttft_ms"] > 0 and r["p50_tpot_ms"] > 0 and 1 <= r["accepted_length"] <= 8
         assert r["same_as_b1"] == P  # greedy: batch composition does not change tokens
         assert 0 < r["prefill_s"] < r["wall_s"]  # every request prefills (prompts of L > 1 tokens)
+        # what the rounds alone explain: rounds x the phase medians, and the rest of the wall clock
+        rounds_s = r["rounds"] * sum(r[f"median_{p}_ms"] for p in ("target", "sample", "draft", "host")) / 1e3
+        assert r["round_ms"] * r["rounds"] / 1e3 == pytest.approx(rounds_s)
+        assert r["outside_rounds_s"] == pytest.approx(r["wall_s"] - rounds_s)
+        assert r["rounds_tok_s"] == pytest.approx(r["output_tokens"] / rounds_s)
+        assert r["rounds_efficiency"] == pytest.approx(r["rounds_tok_s"] / (r["B"] * rows[0]["rounds_tok_s"]))
+    assert rows[0]["rounds_efficiency"] == pytest.approx(1.0)
     md = (tmp_path / "out" / "decode_bench.md").read_text()
     assert "prefill (share of wall)" in md and f"{rows[0]['prefill_s']:.2f} s (" in md
+    assert "rounds-only efficiency" in md and f"{100 * rows[1]['rounds_efficiency']:.1f}%" in md
     # Greedy speculative decoding is lossless: request 0 equals plain one-token-per-forward decoding.
     target = load_target(ckpt)
     prompt = make_prompts(P, L, target.cfg.vocab_size, 0)[0]
