@@ -181,9 +181,10 @@ class KernelSpec:
         red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
         ring = self.x_stages * self.workers_per_cta * self.tile.rows * self.kplan.k_group * 2
-        if self.tile.w_async:  # per warp and stage: 16 weight bytes and a 4-byte scale word per lane
-            return max(red, self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4))
-        return max(red, ring) if self.tile.x_smem else red
+        # w_async: per warp and stage 16 weight bytes and a 4-byte scale word per lane (beside the
+        # activation ring of an x_smem tile)
+        wring = self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4) if self.tile.w_async else 0
+        return max(red, ring + wring) if self.tile.x_smem else max(red, wring)
 
     def reg_estimate(self) -> int:
         """Rough live registers per thread; only used to keep hopeless tiles out."""
@@ -411,12 +412,16 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return (f"x_ahead={t.x_ahead}: activations more than one group ahead only as the space's far_x_ahead "
                 f"{space.tiles.get('far_x_ahead', [])} for tiles of {space.tiles.get('far_rows', [])} rows at the "
                 f"base stages {space.tiles['stages']} (with a deeper ring FP8 r16 nt2 spilled)")
-    if t.w_async and (t.x_smem or t.wsplit or spec.kplan.wgmma or spec.fam != "sm80"
-                      or t.stages not in space.tiles.get("w_async_stages", [])
-                      or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
-        return (f"w_async (the weight ring in shared memory, cp.async: sm_80+) only for register-path mma.sync "
-                f"tiles of <= {space.tiles.get('w_async_max_rows', [0])} rows at the space's w_async_stages "
-                f"{space.tiles.get('w_async_stages', [])}")
+    if t.w_async:
+        xs_listed = [list(x) for x in space.tiles.get("w_async_x_smem_tiles", [])]
+        if t.wsplit or spec.kplan.wgmma or spec.fam != "sm80":
+            return "w_async (the weight ring in shared memory, cp.async: sm_80+) is for in-CTA mma.sync tiles"
+        if t.x_smem and [t.rows, t.warp_nt, t.warps_n, t.stages] not in xs_listed:
+            return f"w_async x_smem tiles only from the space's w_async_x_smem_tiles {xs_listed}"
+        if not t.x_smem and (t.stages not in space.tiles.get("w_async_stages", [])
+                             or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
+            return (f"w_async register-path tiles of <= {space.tiles.get('w_async_max_rows', [0])} rows at the "
+                    f"space's w_async_stages {space.tiles.get('w_async_stages', [])}")
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -519,7 +524,11 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                                                        if rows in space.tiles.get("far_rows", []) else [])
                 act = ([(st, xa, 0, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
                        if warp_nt in space.tiles["warp_nt"] else [])
-                act += [(st, 0, 1, 0) for st in sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})]
+                xs_stages = sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})
+                act += [(st, 0, 1, 0) for st in xs_stages]
+                wa_xs = [list(x) for x in space.tiles.get("w_async_x_smem_tiles", [])]
+                # and the listed ones with the weight ring in shared memory too
+                act += [(st, 0, 1, 1) for st in xs_stages if [rows, warp_nt, warps_n, st] in wa_xs]
                 # and the weight ring in shared memory (w_async) for those of <= w_async_max_rows rows
                 if warp_nt in space.tiles["warp_nt"] and rows <= max(space.tiles.get("w_async_max_rows", [0])):
                     act += [(st, xa, 0, 1) for st, xa in itertools.product(space.tiles.get("w_async_stages", []),

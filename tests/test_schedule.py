@@ -321,17 +321,23 @@ def test_w_async_tiles_stage_the_weight_ring_in_shared_memory() -> None:
     for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352)):
         cands = candidates(90, fmt, n, k)
         wa = [c for c in cands if c.tile.w_async]
-        assert wa and all("_wa1_" in c.name and not c.tile.x_smem and not c.tile.wsplit for c in wa)
+        assert wa and all("_wa1_" in c.name and not c.tile.wsplit for c in wa)
         assert {c.kplan for c in wa} <= {c.kplan for c in cands if not c.tile.w_async}
-        assert {c.tile.stages for c in wa} == set(space.tiles["w_async_stages"])
-        assert all(c.tile.rows <= max(space.tiles["w_async_max_rows"]) for c in wa)
+        reg = [c for c in wa if not c.tile.x_smem]
+        assert {c.tile.stages for c in reg} == set(space.tiles["w_async_stages"])
+        assert all(c.tile.rows <= max(space.tiles["w_async_max_rows"]) for c in reg)
+        listed = {tuple(x) for x in space.tiles["w_async_x_smem_tiles"]}
+        xs = [c for c in wa if c.tile.x_smem]  # beside the activation ring, >= 3 stages
+        assert all((c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) in listed for c in xs)
+        assert all(c.tile.stages >= 3 and "_xs1_wa1_" in c.name for c in xs)
         for c in wa:
             twin = replace(c, tile=replace(c.tile, w_async=0))
             assert c.reg_estimate() < twin.reg_estimate() or c.tile.stages == 1
-            assert c.smem_bytes() >= c.threads // 32 * c.tile.stages * c.tile.warp_nt * 32 * 20
+            wring = c.threads // 32 * c.tile.stages * c.tile.warp_nt * 32 * 20
+            assert c.smem_bytes() >= wring + (twin.smem_bytes() if c.tile.x_smem else 0)
             assert c.to_dict()["tile"]["w_async"] == 1 and "w_async" not in twin.to_dict()["tile"]
     base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.w_async)
-    for bad in (dict(rows=32), dict(stages=3), dict(x_smem=1, x_ahead=0)):
+    for bad in (dict(rows=32), dict(stages=3), dict(x_smem=1, x_ahead=0, warps_n=2)):
         assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
     assert "w_async" in illegal_reason(replace(base, tile=replace(base.tile, stages=3)))
     assert not any(c.tile.w_async for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))

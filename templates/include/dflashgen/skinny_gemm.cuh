@@ -159,15 +159,24 @@ struct SkinnyGemm {
     typename T::Scale s[WRW][W_ASYNC ? Cfg::STAGES : 1][W_ASYNC ? Cfg::WARP_NT : 1][32];
   };
 
+  // the activation ring of an X_SMEM tile, and beside it the weight ring of an X_SMEM W_ASYNC one
+  struct XsRing {
+    uint4 xs[Cfg::X_SMEM ? WK_CTA : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
+  };
+  struct XsWRing : XsRing {
+    WRing w;
+  };
   struct alignas(16) Smem {
     union {
       // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
       float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
-      uint4 xs[Cfg::X_SMEM ? WK_CTA : 1][XST][Cfg::X_SMEM ? XCHUNKS : 1];
-      typename Select<W_ASYNC, WRing, char>::type wr;  // a placeholder byte for other tiles
+      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, XsRing>::type x;
+      typename Select<W_ASYNC && !Cfg::X_SMEM, WRing, char>::type wr;  // a placeholder byte for other tiles
     };
   };
-  static_assert(!W_ASYNC || (!Cfg::X_SMEM && !WG && !WSPLIT), "W_ASYNC is a register-path (mma.sync, in-CTA) tile");
+  static_assert(!W_ASYNC || (!WG && !WSPLIT), "W_ASYNC is an in-CTA mma.sync tile");
+  static_assert(!W_ASYNC || !Cfg::X_SMEM || Cfg::STAGES >= 3,
+                "X_SMEM W_ASYNC: a weight refill joins the next step's commit group, so it must be >= 3 groups ahead");
   static_assert(!W_ASYNC || sizeof(typename T::Scale) == 4, "W_ASYNC copies 4-byte scale words (cp.async.ca)");
   static_assert(!Cfg::X_SMEM || T::HAS_X_SMEM, "X_SMEM needs a trait with a shared-memory B fragment order");
   static_assert(!Cfg::X_SMEM || Cfg::STAGES >= 2, "X_SMEM needs >= 2 stages");
@@ -175,6 +184,23 @@ struct SkinnyGemm {
   static_assert(!Cfg::X_SMEM || T::XCPR != 8 || XRSTEP % 2 == 0, "the swizzle must be the same for all of a copier's rows");
 
   static_assert(Cfg::STAGES <= PAD_GROUPS, "prefetch past a worker's range must stay in the padded stream");
+
+  // W_ASYNC: this lane's words of its warp's weight ring (slot s, warp tile i): the copy that fills
+  // them and the decode that reads them. Only the lane that copied a word reads it.
+  __device__ static WRing& wring(Smem& sm) {
+    if constexpr (Cfg::X_SMEM) return sm.x.w;
+    else return sm.wr;
+  }
+  __device__ static void wring_fill(Smem& sm, int warp, int lane, int s, int i, const uint4* w,
+                                    const typename T::Scale* sc) {
+    WRing& r = wring(sm);
+    cp_async16(&r.w[warp][s][i][lane], w);
+    if constexpr (NVFP4) cp_async4(&r.s[warp][s][i][lane], sc);
+  }
+  __device__ static void wring_decode(Smem& sm, int warp, int lane, int s, int i, typename T::Frag& f) {
+    WRing& r = wring(sm);
+    T::decode(r.w[warp][s][i][lane], NVFP4 ? r.s[warp][s][i][lane] : 0, f);
+  }
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
@@ -257,8 +283,7 @@ struct SkinnyGemm {
         for (int s = 0; s < Cfg::STAGES; ++s) {
 #pragma unroll
           for (int i = 0; i < Cfg::WARP_NT; ++i) {
-            cp_async16(&smem.wr.w[warp][s][i][lane], wp[i] + s * 32);
-            if constexpr (NVFP4) cp_async4(&smem.wr.s[warp][s][i][lane], sp[i] + s * T::SCALE_WORDS);
+            wring_fill(smem, warp, lane, s, i, wp[i] + s * 32, sp[i] + s * T::SCALE_WORDS);
           }
           cp_async_commit();
         }
@@ -328,10 +353,8 @@ struct SkinnyGemm {
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) {
           if constexpr (W_ASYNC) {
-            const typename T::Scale sc = NVFP4 ? smem.wr.s[warp][s][i][lane] : 0;
-            T::decode(smem.wr.w[warp][s][i][lane], sc, frag[i]);
-            cp_async16(&smem.wr.w[warp][s][i][lane], wp[i] + (u + Cfg::STAGES) * 32);
-            if constexpr (NVFP4) cp_async4(&smem.wr.s[warp][s][i][lane], sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+            wring_decode(smem, warp, lane, s, i, frag[i]);
+            wring_fill(smem, warp, lane, s, i, wp[i] + (u + Cfg::STAGES) * 32, sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
           } else {
             T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
             wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
@@ -535,7 +558,8 @@ struct SkinnyGemm {
                                    typename T::Scale (&sbuf)[Cfg::STAGES][Cfg::WARP_NT],
                                    float (&acc)[Cfg::WARP_NT][NT8][T::NACC], Smem& smem) {
     static_assert(U % XST == 0, "ring slots must be compile-time per step");
-    uint4(&ring)[XST][Cfg::X_SMEM ? XCHUNKS : 1] = smem.xs[Cfg::X_SMEM ? wk : 0];
+    const int warp = threadIdx.x >> 5;  // W_ASYNC: this warp's weight ring
+    uint4(&ring)[XST][Cfg::X_SMEM ? XCHUNKS : 1] = smem.x.xs[Cfg::X_SMEM ? wk : 0];
     // Copier: chunk i of this thread is row xr0 + i * XRSTEP, 16-byte column xc. Rows at or past M
     // are never copied: their stale B columns only feed output columns that are never stored.
     const int xt = wn * 32 + lane;
@@ -583,9 +607,16 @@ struct SkinnyGemm {
       typename T::Frag frag[Cfg::WARP_NT];
 #pragma unroll
       for (int i = 0; i < Cfg::WARP_NT; ++i) {
-        T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-        wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
-        if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+        if constexpr (W_ASYNC) {
+          // group a's weight words landed with commit groups older than the wait above (a refill
+          // joins the commit group of the next step's activation copy, STAGES >= 3 groups ahead)
+          wring_decode(smem, warp, lane, s, i, frag[i]);
+          wring_fill(smem, warp, lane, s, i, wp[i] + (u + Cfg::STAGES) * 32, sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+        } else {
+          T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+          wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
+          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+        }
       }
       // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
       const uint4* st = ring[u % XST];
@@ -669,7 +700,7 @@ struct SkinnyGemm {
       gbeg[w] = v * G / WORKERS;
       gcnt[w] = (v + 1) * G / WORKERS - gbeg[w];
       src[w] = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(gbeg[w]) * T::KG + 8 * t;
-      dst[w] = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[w][0][0])) + L::offset(0, r, 0, t);
+      dst[w] = static_cast<unsigned>(__cvta_generic_to_shared(&smem.x.xs[w][0][0])) + L::offset(0, r, 0, t);
     }
     // Group a + (koff / KG) of every worker into stage SLOT, where the worker has it. Rows at or
     // past M are not copied: their stale B columns only feed output columns that are never stored.
@@ -729,7 +760,7 @@ struct SkinnyGemm {
     using L = WgmmaBLayout<Cfg::ROWS>;
     constexpr int KSTEPS = T::KG / 16;
     constexpr int SB = XCHUNKS * 16;
-    const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&smem.xs[wk][0][0]));
+    const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&smem.x.xs[wk][0][0]));
     const uint64_t desc0 = L::desc_base() + ((ring >> 4) & 0x3FFF);  // 14-bit start field, as CuTe
     const int steps = wgmma_steps();
 
