@@ -201,6 +201,28 @@ struct SkinnyGemm {
     WRing& r = wring(sm);
     T::decode(r.w[warp][s][i][lane], NVFP4 ? r.s[warp][s][i][lane] : 0, f);
   }
+  // Group u of a trip (ring slot u % STAGES): decode each warp tile's weights into frag and refill the
+  // slot with group u + STAGES -- from / into the register ring, or (W_ASYNC) this lane's words of
+  // the shared-memory ring.
+  __device__ __forceinline__ static void decode_refill(const int u, const uint4* (&wp)[Cfg::WARP_NT],
+                                                       const typename T::Scale* (&sp)[Cfg::WARP_NT],
+                                                       uint4 (&wbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                                       typename T::Scale (&sbuf)[Cfg::STAGES][Cfg::WARP_NT],
+                                                       typename T::Frag (&frag)[Cfg::WARP_NT], Smem& sm,
+                                                       const int warp, const int lane) {
+    const int s = u % Cfg::STAGES;
+#pragma unroll
+    for (int i = 0; i < Cfg::WARP_NT; ++i) {
+      if constexpr (W_ASYNC) {
+        wring_decode(sm, warp, lane, s, i, frag[i]);
+        wring_fill(sm, warp, lane, s, i, wp[i] + (u + Cfg::STAGES) * 32, sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+      } else {
+        T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
+        wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
+        if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
+      }
+    }
+  }
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
@@ -340,7 +362,6 @@ struct SkinnyGemm {
       // Group g + u of the running pointers' trip: decode, refill its ring slot STAGES ahead,
       // fetch activations (group g + u + XA's if X_AHEAD and `more`: that group exists), MMAs.
       auto step = [&](const int u, const bool more) {
-        const int s = u % Cfg::STAGES;
         const int xc = u % XBUF;
         if constexpr (!XA) {
 #pragma unroll
@@ -350,17 +371,7 @@ struct SkinnyGemm {
         // W_ASYNC: this lane's copies of group u have landed once at most STAGES - 1 newer commit
         // groups are pending; it reads only what it copied itself
         if constexpr (W_ASYNC) cp_async_wait<Cfg::STAGES - 1>();
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i) {
-          if constexpr (W_ASYNC) {
-            wring_decode(smem, warp, lane, s, i, frag[i]);
-            wring_fill(smem, warp, lane, s, i, wp[i] + (u + Cfg::STAGES) * 32, sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
-          } else {
-            T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-            wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
-            if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
-          }
-        }
+        decode_refill(u, wp, sp, wbuf, sbuf, frag, smem, warp, lane);
         if constexpr (W_ASYNC) cp_async_commit();
         if constexpr (XA) {
 #pragma unroll
@@ -603,21 +614,10 @@ struct SkinnyGemm {
       if constexpr (Cfg::WARPS_N == 1) __syncwarp(); else __syncthreads();
       copy((u + XST - 1) % XST, (u + XST - 1) * T::KG, a + XST - 1 < groups);
       if (tail && a >= groups) return;  // only in the last trip (full trips end before `groups`)
-      const int s = u % Cfg::STAGES;
       typename T::Frag frag[Cfg::WARP_NT];
-#pragma unroll
-      for (int i = 0; i < Cfg::WARP_NT; ++i) {
-        if constexpr (W_ASYNC) {
-          // group a's weight words landed with commit groups older than the wait above (a refill
-          // joins the commit group of the next step's activation copy, STAGES >= 3 groups ahead)
-          wring_decode(smem, warp, lane, s, i, frag[i]);
-          wring_fill(smem, warp, lane, s, i, wp[i] + (u + Cfg::STAGES) * 32, sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
-        } else {
-          T::decode(wbuf[s][i], sbuf[s][i], frag[i]);
-          wbuf[s][i] = ld_stream(wp[i] + (u + Cfg::STAGES) * 32);
-          if constexpr (NVFP4) sbuf[s][i] = __ldg(sp[i] + (u + Cfg::STAGES) * T::SCALE_WORDS);
-        }
-      }
+      // W_ASYNC: group a's weight words landed with commit groups older than the wait above (a
+      // refill joins the commit group of the next step's activation copy, STAGES >= 3 groups ahead)
+      decode_refill(u, wp, sp, wbuf, sbuf, frag, smem, warp, lane);
       // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
       const uint4* st = ring[u % XST];
       uint4 xv = lds128(st + xoff[0]);
