@@ -24,8 +24,8 @@ from typing import Any
 from filelock import FileLock
 
 from . import __version__
-from .render import all_entries, generated_dir, header_hash, headers_dir, load_manifest
-from .toolchain import CXX_FLAGS, Plan, ToolchainError, fingerprint, parse_ptxas_log, plan_for
+from .render import all_entries, generated_dir, header_hash, load_manifest
+from .toolchain import CXX_FLAGS, Plan, ToolchainError, fingerprint, headers_dir, parse_ptxas_log, plan_for
 
 
 def cache_root() -> Path:

@@ -25,6 +25,7 @@ from . import __version__
 from .deployment import Deployment, WeightFormat, load_deployment
 from .model import Projection, derive_projections, load_model_config
 from .schedule import KernelSpec, candidates
+from .toolchain import headers_dir
 
 GENERATED_SUFFIXES = (".cu",)
 MANIFEST = "manifest.json"
@@ -184,13 +185,6 @@ def template_hash() -> str:
 
 
 _INCLUDE = re.compile(r'#include\s*[<"](?:dflashgen/)?([\w.]+\.cuh)[>"]')
-
-
-def headers_dir() -> Path:
-    """The kernel headers' include root (templates/include) of this install: the build hashes the
-    headers found here and hands the same folder to the compiler (build.ninja), so a fingerprint never
-    names headers other than those compiled."""
-    return Path(str(resources.files("dflashgen.templates"))) / "include"
 
 
 def header_hash(source: str) -> str:

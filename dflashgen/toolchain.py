@@ -53,12 +53,19 @@ def pip_ptxas() -> Path:
     return _need(d / "bin" / "ptxas" if d else None, "ptxas 12.x", "nvidia-cuda-nvcc-cu12")
 
 
+def headers_dir() -> Path:
+    """The kernel headers' include root (templates/include) of this install: the build hashes the
+    headers found here and hands the same folder to the compiler (build.ninja --headers), so a
+    fingerprint never names headers other than those compiled."""
+    return Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
+
+
 @lru_cache(maxsize=4)
 def include_dirs(nvcc: bool = False, headers: Path | None = None) -> tuple[Path, ...]:
     """Our kernel headers (``headers``: the build's choice, else this install's) and CUTLASS/CuTe;
     for NVRTC also libcu++ (cuda/std) and the CUDA runtime headers from the pip wheels (nvcc brings
     its own)."""
-    here = headers or Path(str(_pkg_dir("dflashgen.templates") or Path(__file__).parents[1] / "templates")) / "include"
+    here = headers or headers_dir()
     cutlass = _pkg_dir("cutlass_library")
     # DFLASHGEN_CUTLASS_INCLUDE: a CUTLASS checkout (or header subset) instead of the wheel's
     cutlass_inc = Path(os.environ["DFLASHGEN_CUTLASS_INCLUDE"]) if os.environ.get("DFLASHGEN_CUTLASS_INCLUDE") \
