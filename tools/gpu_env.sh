@@ -27,6 +27,7 @@ ncu_gemms() {
         --launch-skip 2 --launch-count 1 -o "$rep" python3 tools/ncu_kernel.py "$name" "$m" > /dev/null 2>&1
       ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2> "$rep.err"
       python3 tools/ncu_stalls.py "$rep.csv" > "$dir/stalls-$name-m$m.txt" 2>&1 || cat "$rep.err" >> "$dir/stalls-$name-m$m.txt"
+      gzip -c "$rep.csv" > "$dir/source-$name-m$m.csv.gz"  # the raw page, to re-summarise here
       head -20 "$dir/stalls-$name-m$m.txt"
     fi
   done

@@ -31,7 +31,9 @@ def main() -> None:
     a = ap.parse_args()
     with open(a.csv, newline="") as f:
         lines = [ln for ln in f if ln.strip() and not ln.startswith("==")]
-    rows = list(csv.DictReader(lines))
+    # ncu may print a preamble (kernel name, function) above the table: start at the header row
+    start = next((i for i, ln in enumerate(lines[:50]) if "Source" in ln and "Address" in ln), 0)
+    rows = [{k: v for k, v in r.items() if k is not None} for r in csv.DictReader(lines[start:])]
     if not rows:
         raise SystemExit(f"{a.csv}: no rows (was the report collected with --section SourceCounters?)")
     cols = list(rows[0])
