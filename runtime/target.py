@@ -579,8 +579,10 @@ class TargetModel(torch.nn.Module):
         state.commit()  # an armed forward nobody rolled back keeps all its positions
         base = state.lengths.clone()
         n_new = None if num_new is None else torch.as_tensor(num_new, dtype=torch.long, device=base.device)
+        kv_len = None  # keys a long (prefill) forward's attention reads: all visible ones, when known
         if check:
-            if int(base.max()) + t > state.max_len:
+            kv_len = int(base.max()) + t
+            if kv_len > state.max_len:
                 raise ValueError(f"{t} new positions overflow max_len={state.max_len} (lengths {base.tolist()})")
             if n_new is not None and (n_new.shape != (b,) or bool((n_new < 0).any()) or bool((n_new > t).any())):
                 raise ValueError(f"num_new must be {b} counts in [0, {t}], got {n_new.tolist()}")
@@ -595,7 +597,8 @@ class TargetModel(torch.nn.Module):
         for i, lt in enumerate(self.cfg.layer_types):
             p = f"model.layers.{i}"
             h, x = self._add_norm(h, r, f"{p}.input_layernorm.weight")
-            r = self._attention(i, x, pos, cos, sin, state) if lt == FULL else self._gdn(i, x, state, n_new, keep)
+            r = (self._attention(i, x, pos, cos, sin, state, kv_len) if lt == FULL
+                 else self._gdn(i, x, state, n_new, keep))
             h, x = self._add_norm(h, r, f"{p}.post_attention_layernorm.weight")
             r = self._mlp(i, x)
             if i in tap_set:
@@ -632,7 +635,8 @@ class TargetModel(torch.nn.Module):
             y = silu_mul(*y.chunk(2, dim=-1), self.act_dtype)
         return self._proj(self._p(i, "down_proj"), y)
 
-    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState) -> Tensor:
+    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState,
+                   kv_len: int | None = None) -> Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
@@ -657,14 +661,38 @@ class TargetModel(torch.nn.Module):
             q = reference_qk_norm_rope(q, k.view(b, t, nkv, d), v.view(b, t, nkv, d), q_w, k_w, self.eps, cos, sin,
                                        self.rotary_dim, pos, kc, vc)
         # The generated verify-attention kernel on CUDA (FP16/FP8 cache) for decode / verify forwards;
-        # the FP32 reference elsewhere and for prefill chunks (one batched matmul instead of T / 8
-        # kernel launches per layer). Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
+        # longer (prefill) forwards on CUDA through torch's fused attention (_attend_fused); the FP32
+        # reference elsewhere. Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
         out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
+        if out is None and _fused_prefill_attention(q):
+            out = self._attend_fused(q, kc, vc, pos, kv_len)
         o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
         if gate is not None:  # FP32 gate; the product lands contiguous in o_proj's input dtype
             o = mul_to(o, torch.sigmoid(gate.float()), self.act_dtype)
         # act_dtype out: the residual add upcasts it exactly
         return self._proj(self._p(i, "o_proj"), o.reshape(b, t, nh * d))
+
+    @staticmethod
+    def _attend_fused(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, kv_len: int | None) -> Tensor:
+        """:meth:`_attend`'s contract through ``F.scaled_dot_product_attention`` (FP16 operands, FP32
+        softmax and accumulation inside the fused kernel) over the first ``kv_len`` cache positions
+        (None: the whole cache), so a 1K-token prefill layer reads ~1K keys instead of the cache's
+        capacity and never materialises FP32 [B, H, T, L] scores (the reference's ~0.9 ms per layer).
+        It rounds differently from the reference (FP16 P V products; GPU test: relative L2 <= 2e-3),
+        which is allowed because every path -- speculative, plain, any batch -- prefills through it;
+        ``DFLASHGEN_PREFILL_ATTENTION=reference`` restores the reference. Returns [B, T, H, D]."""
+        b, t, h, d = q.shape
+        cap, hkv = kc.shape[1], kc.shape[2]
+        # keys 16-aligned (the fused kernels' mask stride); the extra ones are masked like the rest
+        length = cap if kv_len is None else min(cap, -(-kv_len // 16) * 16)
+        k, v = kc[:, :length].transpose(1, 2), vc[:, :length].transpose(1, 2)  # [B, Hkv, L, D] views
+        if hkv != h:  # grouped heads: one copy per query head (the memory-efficient kernel wants them)
+            k = k.repeat_interleave(h // hkv, dim=1)
+            v = v.repeat_interleave(h // hkv, dim=1)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache upcasts exactly
+        visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=d**-0.5)
+        return o.transpose(1, 2)  # [B, T, H, D] view
 
     @staticmethod
     def _attend(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> Tensor:
@@ -812,6 +840,13 @@ class TargetModel(torch.nn.Module):
                 state.ssm[i].copy_(final)
                 state.conv[i].copy_(_window(cat, n_new, width - 1))
         return o
+
+
+def _fused_prefill_attention(q: Tensor) -> bool:
+    """Whether a long (prefill) forward's attention runs fused (:meth:`TargetModel._attend_fused`): CUDA,
+    FP16 / BF16 queries, unless ``DFLASHGEN_PREFILL_ATTENTION=reference``."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("DFLASHGEN_PREFILL_ATTENTION", "") != "reference")
 
 
 def _sequential_prefill(device: torch.device, dk: int) -> bool:

@@ -361,3 +361,41 @@ def test_glue_kernel_wiring_on_cpu_is_the_unfused_path(ckpt: Path, monkeypatch: 
     for a, b in zip(out[False][:2], out[True][:2], strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(out[False][2], out[True][2], strict=True))
+
+
+def test_fused_prefill_attention_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill attention runs fused only on CUDA with FP16 / BF16 queries, and the environment switch
+    restores the FP32 reference; on CPU the reference always runs (the CPU suite's prefills)."""
+    from types import SimpleNamespace
+
+    from dflashgen.runtime.target import _fused_prefill_attention
+
+    def fake(device: str, dtype: torch.dtype) -> Any:
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    monkeypatch.delenv("DFLASHGEN_PREFILL_ATTENTION", raising=False)
+    assert _fused_prefill_attention(fake("cuda", torch.float16))
+    assert _fused_prefill_attention(fake("cuda", torch.bfloat16))
+    assert not _fused_prefill_attention(fake("cuda", torch.float32))
+    assert not _fused_prefill_attention(fake("cpu", torch.float16))
+    monkeypatch.setenv("DFLASHGEN_PREFILL_ATTENTION", "reference")
+    assert not _fused_prefill_attention(fake("cuda", torch.float16))
+
+
+@pytest.mark.parametrize("kv_len", [25, None])
+def test_fused_prefill_attention_contract_on_cpu(kv_len: int | None) -> None:
+    """_attend_fused keeps _attend's contract (causal per request position, grouped KV heads, stale
+    cache entries past a request's length ignored, only the first kv_len keys read): in FP32 on the
+    CPU (SDPA's math path) it equals the reference to rounding."""
+    g = torch.Generator().manual_seed(3)
+    b, t, h, hkv, d, cap = 2, 20, 6, 2, 32, 64
+    kc, vc = torch.randn(b, cap, hkv, d, generator=g), torch.randn(b, cap, hkv, d, generator=g)
+    q = torch.randn(b, t, h, d, generator=g)
+    pos = torch.tensor([0, 5])[:, None] + torch.arange(t)
+    ref = TargetModel._attend(q, kc, vc, pos)
+    got = TargetModel._attend_fused(q, kc, vc, pos, kv_len)
+    assert got.shape == ref.shape
+    assert rel_l2(got, ref) <= 1e-5
+    if kv_len is not None:  # keys past kv_len rounded up to 16 (32) are never read
+        kc[:, 32:], vc[:, 32:] = float("nan"), float("nan")
+        assert rel_l2(TargetModel._attend_fused(q, kc, vc, pos, kv_len), ref) <= 1e-5

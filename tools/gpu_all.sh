@@ -12,7 +12,8 @@
 #                                          # AB="decode-bench args" also runs B4 / B8 with them (e.g.
 #                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
-#                                          # also the stalls per SASS line, tools/ncu_stalls.py)
+#                                          # also the stalls per SASS line, tools/ncu_stalls.py);
+#                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -42,7 +43,10 @@ B)
 C)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-  dflashgen build --arch 90 -j 16 -q 2>&1 | tail -1  # in parallel now, not one by one on first use
+  # in parallel now, not one by one on first use; BUILD_ONLY_FILE: a file holding a --only regex (e.g.
+  # the table's kernels and the non-GEMM families) when the GEMMs are not what the call tests
+  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
+  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
   if [ -n "${TESTS:-}" ]; then
     echo "== pytest -m gpu $TESTS"  # TESTS=tests: all of them
     timeout 240 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
