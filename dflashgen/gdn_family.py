@@ -41,9 +41,8 @@ COLS_PER_THREAD = 4
 WARPS = 2  # 16 columns per CTA: a dv = 128 head is 8 CTAs, so B1 x 48 heads already fills 384 CTAs
 THREADS = 32 * WARPS
 # __launch_bounds__ min blocks: without it ptxas aims at full occupancy for 64-thread CTAs (32
-# registers) and spills. The prefill's two staging buffers (35 KB at dk = 128) fit 6 CTAs per SM, so
-# 6 (up to 168 registers: the fused q / k dots hold two sets of partial sums beside the state).
-PREFILL_MIN_BLOCKS = 6
+# registers) and spills; 8 CTAs per SM allow 128 registers (the dk = 128 step needs ~80).
+MIN_BLOCKS = 8
 # the step / advance pair: 16 CTAs per SM caps ptxas at 64 registers (state 32 + the position's
 # temporaries fit without spills once q / k staging holds no registers): 16 CTAs of 2 warps resident
 # instead of 12 (shared memory at T = 16) / 14 (72 registers)
@@ -70,7 +69,7 @@ def kernel_name(arch: int, dk: int) -> str:
 
 
 def prefill_kernel_name(arch: int, dk: int) -> str:
-    return f"dfg_sm{arch}_gdnpf_dk{dk}_s{PREFILL_CHUNK}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{PREFILL_MIN_BLOCKS}"
+    return f"dfg_sm{arch}_gdnpf_dk{dk}_s{PREFILL_CHUNK}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{MIN_BLOCKS}"
 
 
 @lru_cache(maxsize=1)
@@ -98,7 +97,7 @@ def render(arch: int, dk: int) -> str:
 def render_prefill(arch: int, dk: int) -> str:
     return _env().get_template("gdn_prefill.cu.j2").render(
         version=__version__, name=prefill_kernel_name(arch, dk), arch=arch, dk=dk, chunk=PREFILL_CHUNK,
-        warps=WARPS, threads=THREADS, cols=COLS, min_blocks=PREFILL_MIN_BLOCKS)
+        warps=WARPS, threads=THREADS, cols=COLS, min_blocks=MIN_BLOCKS)
 
 
 def family_kernels() -> list[FamilyKernel]:

@@ -689,9 +689,11 @@ class TargetModel(torch.nn.Module):
         if hkv != h:  # grouped heads: one copy per query head (the memory-efficient kernel wants them)
             k = k.repeat_interleave(h // hkv, dim=1)
             v = v.repeat_interleave(h // hkv, dim=1)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache upcasts exactly
+        dt = torch.float16 if kc.dtype.itemsize == 1 else kc.dtype  # the cache's type (FP8: FP16, exact)
+        k, v = k.to(dt), v.to(dt)
         visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=d**-0.5)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=visible[:, None],
+                                           scale=d**-0.5)
         return o.transpose(1, 2)  # [B, T, H, D] view
 
     @staticmethod
@@ -843,10 +845,10 @@ class TargetModel(torch.nn.Module):
 
 
 def _fused_prefill_attention(q: Tensor) -> bool:
-    """Whether a long (prefill) forward's attention runs fused (:meth:`TargetModel._attend_fused`): CUDA,
-    FP16 / BF16 queries, unless ``DFLASHGEN_PREFILL_ATTENTION=reference``."""
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and os.environ.get("DFLASHGEN_PREFILL_ATTENTION", "") != "reference")
+    """Whether a long (prefill) forward's attention runs fused (:meth:`TargetModel._attend_fused`): on
+    CUDA (queries of any float type: FP16 / BF16 operands, those of the cache, FP16 for an FP8 one),
+    unless ``DFLASHGEN_PREFILL_ATTENTION=reference``."""
+    return q.device.type == "cuda" and os.environ.get("DFLASHGEN_PREFILL_ATTENTION", "") != "reference"
 
 
 def _sequential_prefill(device: torch.device, dk: int) -> bool:

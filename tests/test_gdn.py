@@ -60,7 +60,7 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     assert {(k.arch, k.meta["dk"]) for k in pf} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     for k in pf:
-        assert k.name == f"dfg_sm{k.arch}_gdnpf_dk{k.meta['dk']}_s16_r16_c4_w2_mb6"
+        assert k.name == f"dfg_sm{k.arch}_gdnpf_dk{k.meta['dk']}_s16_r16_c4_w2_mb8"
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
         assert f"{k.name}(" in k.source and f"prefill<{k.meta['dk']}, 16, 2>" in k.source
     assert 128 in gdn_family.key_dims()  # Qwen3.8-27B

@@ -440,7 +440,7 @@ def test_fused_prefill_attention_matches_the_reference(cache_dtype: torch.dtype)
     for b, t, bases in ((1, 1023, [0]), (2, 300, [0, 37])):
         kc = (torch.randn(b, cap, hkv, d, generator=g, device="cuda") * 2).to(cache_dtype)
         vc = torch.randn(b, cap, hkv, d, generator=g, device="cuda").to(cache_dtype)
-        q = torch.randn(b, t, h, d, generator=g, device="cuda").half()
+        q = torch.randn(b, t, h, d, generator=g, device="cuda")  # FP32, as the target passes it
         base = torch.tensor(bases, device="cuda")
         pos = base[:, None] + torch.arange(t, device="cuda")
         kv_len = int(base.max()) + t

@@ -50,30 +50,6 @@ __device__ __forceinline__ void copy16_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
-// 4-byte global -> shared copy (cp.async.ca on sm_80+, a load and a store before): any 4-byte aligned
-// element, e.g. a strided value.
-__device__ __forceinline__ void copy4(float* smem, const float* gmem) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *smem = __ldg(gmem);
-#endif
-}
-// Closes this thread's copies issued since the last commit into one group (sm_80+; a no-op before,
-// where the copies are synchronous).
-__device__ __forceinline__ void copy_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-// Waits until at most N of this thread's committed copy groups are pending.
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
 __device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>(smem) = make_float4(0.f, 0.f, 0.f, 0.f); }
 
 // Rows [0, rows) of DK floats each, row t at src + t * stride (16-byte aligned, stride % 4 == 0), into
@@ -151,32 +127,6 @@ struct Col {
     for (int off = LR / 2; off > 0; off >>= 1)
 #pragma unroll
       for (int c = 0; c < CPT; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
-  }
-  // dot(x, oq) of the current S, then decay(d), then dot(y, oy) of the decayed S, in one pass: each
-  // value gets exactly the operations of those three calls in their order (x s, then d s, then y (d s)
-  // per element; the same running sums over r and the same butterflies), so the same bits; the two
-  // reductions are independent, so their latency chains overlap.
-  __device__ __forceinline__ void dot_decay_dot(const float* x, float d, const float* y, float (&oq)[CPT],
-                                                float (&oy)[CPT], int lr) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[lr + LR * r], yr = y[lr + LR * r];
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) {
-        const float pq = __fmul_rn(xr, s[r][c]);
-        oq[c] = r == 0 ? pq : __fadd_rn(oq[c], pq);
-        s[r][c] = __fmul_rn(d, s[r][c]);
-        const float py = __fmul_rn(yr, s[r][c]);
-        oy[c] = r == 0 ? py : __fadd_rn(oy[c], py);
-      }
-    }
-#pragma unroll
-    for (int off = LR / 2; off > 0; off >>= 1)
-#pragma unroll
-      for (int c = 0; c < CPT; ++c) {
-        oq[c] = __fadd_rn(oq[c], __shfl_xor_sync(0xffffffffu, oq[c], off * LC));
-        oy[c] = __fadd_rn(oy[c], __shfl_xor_sync(0xffffffffu, oy[c], off * LC));
-      }
   }
   __device__ __forceinline__ void load(const float* S, int dv, int lr, int j0, bool live) {
 #pragma unroll
@@ -380,18 +330,11 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
 }
 
 // prefill: the step's recurrence over any T in one launch, commit only (a prefill that is not armed for
-// rollback): no u / decay outputs. S [B, Hv, DK, dv] is read and updated in place: the state after
-// n[b] positions (n = nullptr: all T; n[b] <= 0: S untouched). Inputs and o as for step (q / k as
-// float4: the runtime checks q and k are 16-byte aligned). grid (ceil(dv / COLS), Hv, B).
-// Bitwise T one-position steps: every position runs the step's operations on the same values in
-// the same order (decay, dot with k, u, add, dot with q). Two things make it faster than calling
-// the step's position body in turn, neither changing a rounding:
-// - the dot with q_t of S_t, the decay by d_{t+1} and the dot with k_{t+1} of the decayed state
-//   need only S_t, so one pass over the state computes all three and their two butterflies run
-//   interleaved (dot_decay_dot): one dependent reduction chain per position instead of two;
-// - positions are staged CHUNK at a time into two shared-memory buffers by cp.async (sm_80+), the
-//   next chunk's copies in flight while this one is computed (before sm_80 the copies are plain
-//   loads and stores). Decays are staged as log decays and exponentiated where used (the same expf).
+// rollback): no u / decay outputs. Positions are staged CHUNK at a time (q / k as float4: the runtime
+// checks q and k are 16-byte aligned), each one through the same Col update / dot as step, so the
+// state and outputs are bitwise those of T one-position steps. S [B, Hv, DK, dv] is read and
+// updated in place: the state after n[b] positions (n = nullptr: all T; n[b] <= 0: S untouched).
+// Inputs and o as for step. grid (ceil(dv / COLS), Hv, B).
 template <int DK, int CHUNK, int WARPS>
 __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, const float* __restrict__ k,
                                         const float* __restrict__ v, long long vs_b, long long vs_t,
@@ -399,80 +342,78 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
                                         const float* __restrict__ log_decay, int T, int Hk, int Hv, int dv,
                                         float* __restrict__ o, const long long* __restrict__ n) {
   using L = Layout<WARPS>;
-  constexpr int V4 = DK / 4;                        // float4 per (position, key head)
+  constexpr int V4 = DK / 4;                      // float4 per (position, key head)
+  constexpr int QK4 = CHUNK * V4 / L::THREADS;    // float4 of q (and of k) per thread per chunk
   constexpr int VS = CHUNK * L::COLS / L::THREADS;  // values per thread per chunk
-  static_assert(CHUNK * V4 % L::THREADS == 0 && CHUNK * L::COLS % L::THREADS == 0 && CHUNK <= L::THREADS,
+  constexpr int G = QK4 < 4 ? QK4 : 4;              // float4 of q (and of k) in flight per round
+  static_assert(CHUNK * V4 % L::THREADS == 0 && QK4 % G == 0 && CHUNK * L::COLS % L::THREADS == 0 &&
+                CHUNK <= L::THREADS,
                 "the staging loops assume whole rounds over the CTA");
-  __shared__ __align__(16) float qs[2][CHUNK][DK];
-  __shared__ __align__(16) float ks[2][CHUNK][DK];
-  __shared__ float vs[2][CHUNK][L::COLS], bs[2][CHUNK], ls[2][CHUNK];
+  __shared__ __align__(16) float qs[CHUNK][DK];
+  __shared__ __align__(16) float ks[CHUNK][DK];
+  __shared__ float vs[CHUNK][L::COLS], bs[CHUNK], ds[CHUNK];
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
   const L lay(dv);
   const long long bt = (long long)b * T;
   float* S = s + ((long long)b * Hv + h) * DK * dv;
   const int keep = n != nullptr ? clamp_steps(n[b], T) : T;
-  const int jl = lay.j0 - blockIdx.x * L::COLS;
-
-  // Chunk [t0, t0 + CHUNK) into buffer p: copies of positions past T are skipped (never read); values
-  // of absent columns (dv not a multiple of COLS) are zeroed. One commit group per chunk.
-  auto stage_chunk = [&](int p, int t0) {
-    const int tc = T - t0 < CHUNK ? T - t0 : CHUNK;
-#pragma unroll
-    for (int m = 0; m < CHUNK * V4 / L::THREADS; ++m) {
-      const int e = threadIdx.x + m * L::THREADS, t = e / V4, i4 = e % V4;
-      if (t < tc) {
-        const long long at = ((bt + t0 + t) * Hk + kh) * DK + 4 * i4;
-        copy16(&qs[p][t][4 * i4], q + at);
-        copy16(&ks[p][t][4 * i4], k + at);
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < VS; ++m) {
-      const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, c = e % L::COLS, j = blockIdx.x * L::COLS + c;
-      if (t < tc && j < dv) copy4(&vs[p][t][c], v + b * vs_b + (t0 + t) * vs_t + ((long long)h * dv + j) * vs_c);
-      else vs[p][t][c] = 0.f;
-    }
-    if (threadIdx.x < tc) {
-      const long long at = (bt + t0 + threadIdx.x) * Hv + h;
-      copy4(&bs[p][threadIdx.x], beta + at);
-      copy4(&ls[p][threadIdx.x], log_decay + at);
-    }
-    copy_commit();
-  };
-
   Col<DK> col;
   col.load(S, dv, lay.lr, lay.j0, lay.live);
-  stage_chunk(0, 0);
+  const int jl = lay.j0 - blockIdx.x * L::COLS;
 #pragma unroll 1
-  for (int t0 = 0, p = 0; t0 < T; t0 += CHUNK, p ^= 1) {
+  for (int t0 = 0; t0 < T; t0 += CHUNK) {
     const int tc = T - t0 < CHUNK ? T - t0 : CHUNK;
-    if (t0 + CHUNK < T) {
-      stage_chunk(p ^ 1, t0 + CHUNK);  // its buffer was released by the barrier ending the last chunk
-      copy_wait<1>();
-    } else {
-      copy_wait<0>();
-    }
-    __syncthreads();  // this chunk's copies (every thread's) have landed
-    // the head of the chunk's first position: S <- d S and S^T k (the step's order)
-    float kv[CPT];
-    col.decay(expf(ls[p][0]));
-    col.dot(ks[p][0], kv, lay.lr);
+    __syncthreads();  // the previous chunk is consumed
+    // q / k in rounds of G float4 each (loads of a round in flight together, 8 G registers beside the
+    // state); the values, betas and decays ride with the first round
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-    for (int tt = 0; tt < tc; ++tt) {
-      float ut[CPT], ot[CPT];
+    for (int m0 = 0; m0 < QK4; m0 += G) {
+      float4 qr[G], kr[G];
+      float vr[VS];
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(bs[p][tt], __fsub_rn(vs[p][tt][jl + c], kv[c]));
-      col.add(ks[p][tt], ut, lay.lr);
-      if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
-      if (tt + 1 < tc) col.dot_decay_dot(qs[p][tt], expf(ls[p][tt + 1]), ks[p][tt + 1], ot, kv, lay.lr);
-      else col.dot(qs[p][tt], ot, lay.lr);
+      for (int m = 0; m < G; ++m) {
+        const int e = threadIdx.x + (m0 + m) * L::THREADS, t = e / V4, i4 = e % V4;
+        const long long at = (((bt + t0 + t) * Hk + kh) * DK) / 4 + i4;
+        qr[m] = t < tc ? reinterpret_cast<const float4*>(q)[at] : z;
+        kr[m] = t < tc ? reinterpret_cast<const float4*>(k)[at] : z;
+      }
+      if (m0 == 0) {
+#pragma unroll
+        for (int m = 0; m < VS; ++m) {
+          const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+          vr[m] = t < tc && j < dv ? v[b * vs_b + (t0 + t) * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+        }
+        if (threadIdx.x < tc) {
+          const long long at = (bt + t0 + threadIdx.x) * Hv + h;
+          bs[threadIdx.x] = beta[at];
+          ds[threadIdx.x] = expf(log_decay[at]);
+        }
+#pragma unroll
+        for (int m = 0; m < VS; ++m) {
+          const int e = threadIdx.x + m * L::THREADS;
+          vs[e / L::COLS][e % L::COLS] = vr[m];
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < G; ++m) {
+        const int e = threadIdx.x + (m0 + m) * L::THREADS;
+        reinterpret_cast<float4*>(&qs[0][0])[e] = qr[m];
+        reinterpret_cast<float4*>(&ks[0][0])[e] = kr[m];
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int tt = 0; tt < tc; ++tt) {  // step's position (o only)
+      float ut[CPT], ot[CPT];
+      col.position(ds[tt], bs[tt], ks[tt], qs[tt], &vs[tt][jl], lay.lr, ut, ot);
       if (lay.live && lay.lr == 0) {
         const long long at = ((bt + t0 + tt) * Hv + h) * dv + lay.j0;
 #pragma unroll
         for (int c = 0; c < CPT; ++c) o[at + c] = ot[c];
       }
+      if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
     }
-    __syncthreads();  // buffer p is consumed: the next iteration's copies may refill it
   }
 }
 
