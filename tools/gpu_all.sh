@@ -30,7 +30,8 @@ A)
   OUT=$R/session STEPS="build verify tune bench" bash tools/gpu_session.sh
   cp "$R/session/nvidia-h200.json" /tmp/dfg/ 2>/dev/null ;;
 A1)  # PART=A in two calls when it would pass the 10-minute limit: build + verify, then (issued
-  # within the warm window, so the build is kept) PART=A2: tune + bench
+  # within the warm window and WITHOUT carrying .build, so the device keeps this build: a carried
+  # .build replaces the device's, cubins and all) PART=A2: tune + bench
   OUT=$R/session STEPS="build verify" bash tools/gpu_session.sh ;;
 A2)
   OUT=$R/session STEPS="build tune bench" bash tools/gpu_session.sh
