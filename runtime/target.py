@@ -685,12 +685,12 @@ class TargetModel(torch.nn.Module):
         cap, hkv = kc.shape[1], kc.shape[2]
         # keys 16-aligned (the fused kernels' mask stride); the extra ones are masked like the rest
         length = cap if kv_len is None else min(cap, -(-kv_len // 16) * 16)
-        k, v = kc[:, :length].transpose(1, 2), vc[:, :length].transpose(1, 2)  # [B, Hkv, L, D] views
+        dt = torch.float16 if kc.dtype.itemsize == 1 else kc.dtype  # the cache's type (FP8: FP16, exact)
+        # [B, Hkv, L, D] views (an FP8 cache upcast before the heads are repeated: once per KV head)
+        k, v = kc[:, :length].transpose(1, 2).to(dt), vc[:, :length].transpose(1, 2).to(dt)
         if hkv != h:  # grouped heads: one copy per query head (the memory-efficient kernel wants them)
             k = k.repeat_interleave(h // hkv, dim=1)
             v = v.repeat_interleave(h // hkv, dim=1)
-        dt = torch.float16 if kc.dtype.itemsize == 1 else kc.dtype  # the cache's type (FP8: FP16, exact)
-        k, v = k.to(dt), v.to(dt)
         visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
         o = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=visible[:, None],
                                            scale=d**-0.5)
