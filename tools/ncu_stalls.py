@@ -44,8 +44,9 @@ def main() -> None:
         raise SystemExit(f"{a.csv}: no stall-sampling / source columns among {cols[:12]} ...")
     # per-reason sample columns: ncu names them after the stall (e.g. "stall_long_sb" or "Long Scoreboard")
     skip = {total_col, src_col, addr_col}
-    reasons = [c for c in cols if c not in skip and ("stall" in c.lower() or "Samples" in c)
-               and "Not-issued" not in c and any(_num(r[c]) for r in rows[:2000])]
+    # (not the totals again -- "# Samples", the not-issued total -- nor each reason's not-issued half)
+    reasons = [c for c in cols if c not in skip and "stall" in c.lower() and "Not-issued" not in c
+               and "Not Issued" not in c and any(_num(r[c]) for r in rows[:2000])]
     total = sum(_num(r[total_col]) for r in rows) or 1.0
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples")
     by_op: Counter[str] = Counter()
