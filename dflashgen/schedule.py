@@ -91,6 +91,10 @@ class Tile:
     # 1: register-path tile whose weight ring (stages groups per warp) sits in shared memory, filled
     # with cp.async (names `_wa1`; skinny_gemm.cuh W_ASYNC): the same words, decode and MMAs
     w_async: int = 0
+    # 1: register-path tile whose lanes prefetch into L2, at each unrolled trip's top, the weight and
+    # scale words the next trip's ring refills load (names `_pf1`; skinny_gemm.cuh L2_AHEAD): the
+    # same loads, decode and MMAs, so the same bits
+    l2_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ class KernelSpec:
         return (f"dfg_sm{self.arch}_{FORMAT_TAG[self.fmt]}_{self.epilogue}_n{self.n}_k{self.k}"
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
-                f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}_mb{t.min_blocks}")
+                f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
+                f"_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -215,6 +220,8 @@ class KernelSpec:
             del tile["wsplit"]  # in-CTA tiles keep their pre-wsplit form
         if not self.tile.w_async:
             del tile["w_async"]  # register-ring tiles keep their pre-w_async form
+        if not self.tile.l2_ahead:
+            del tile["l2_ahead"]  # and their pre-l2_ahead form
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -349,7 +356,7 @@ def _base_stages(spec: KernelSpec) -> bool:
     which plans exist."""
     tiles = load_space(spec.arch).tiles
     return (spec.tile.stages in tiles["stages"] and spec.tile.x_ahead in tiles["x_ahead"]
-            and not spec.tile.w_async)
+            and not spec.tile.w_async and not spec.tile.l2_ahead)
 
 
 def illegal_reason(spec: KernelSpec) -> str | None:
@@ -422,6 +429,12 @@ def illegal_reason(spec: KernelSpec) -> str | None:
                              or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
             return (f"w_async register-path tiles of <= {space.tiles.get('w_async_max_rows', [0])} rows at the "
                     f"space's w_async_stages {space.tiles.get('w_async_stages', [])}")
+    if t.l2_ahead and (t.x_smem or t.w_async or t.wsplit or spec.kplan.wgmma or t.x_ahead != 1
+                       or 1 not in space.tiles.get("l2_ahead", [])
+                       or t.rows > max(space.tiles.get("l2_ahead_max_rows", [0]))):
+        return (f"l2_ahead only for register-path mma.sync tiles at x_ahead=1 of <= "
+                f"{space.tiles.get('l2_ahead_max_rows', [0])} rows, where the space lists l2_ahead "
+                f"({space.tiles.get('l2_ahead', [])})")
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -522,19 +535,23 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                 # and activations further ahead (far_x_ahead) for those of far_rows rows
                 x_ahead_rp = space.tiles["x_ahead"] + (space.tiles.get("far_x_ahead", [])
                                                        if rows in space.tiles.get("far_rows", []) else [])
-                act = ([(st, xa, 0, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
+                # (stages, x_ahead, x_smem, w_async, l2_ahead)
+                act = ([(st, xa, 0, 0, 0) for st, xa in itertools.product(stages_rp, x_ahead_rp)]
                        if warp_nt in space.tiles["warp_nt"] else [])
+                # and, at x_ahead 1, their L2 prefetch one trip ahead (l2_ahead) for <= l2_ahead_max_rows rows
+                if rows <= max(space.tiles.get("l2_ahead_max_rows", [0])):
+                    act += [(st, 1, 0, 0, 1) for st, xa, *_ in act if xa == 1 and 1 in space.tiles.get("l2_ahead", [])]
                 xs_stages = sorted({s[3] for s in xs_shapes if s[:3] == (rows, warp_nt, warps_n)})
-                act += [(st, 0, 1, 0) for st in xs_stages]
+                act += [(st, 0, 1, 0, 0) for st in xs_stages]
                 wa_xs = [list(x) for x in space.tiles.get("w_async_x_smem_tiles", [])]
                 # and the listed ones with the weight ring in shared memory too
-                act += [(st, 0, 1, 1) for st in xs_stages if [rows, warp_nt, warps_n, st] in wa_xs]
+                act += [(st, 0, 1, 1, 0) for st in xs_stages if [rows, warp_nt, warps_n, st] in wa_xs]
                 # and the weight ring in shared memory (w_async) for those of <= w_async_max_rows rows
                 if warp_nt in space.tiles["warp_nt"] and rows <= max(space.tiles.get("w_async_max_rows", [0])):
-                    act += [(st, xa, 0, 1) for st, xa in itertools.product(space.tiles.get("w_async_stages", []),
-                                                                           space.tiles["x_ahead"])]
-                for stages, xa, xs, wa in act:
-                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs, w_async=wa)
+                    act += [(st, xa, 0, 1, 0) for st, xa in itertools.product(space.tiles.get("w_async_stages", []),
+                                                                              space.tiles["x_ahead"])]
+                for stages, xa, xs, wa, pf in act:
+                    tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=xa, x_smem=xs, w_async=wa, l2_ahead=pf)
                     spec = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
                     if not (xs or _base_stages(spec)) and spec.threads > max(space.tiles.get("deep_max_threads", [0])):
                         continue  # a deeper ring at 512 threads (128-register cap) spilled (FP8 r16 nt2)

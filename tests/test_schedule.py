@@ -313,33 +313,29 @@ def test_far_x_ahead_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mo
 
 
 def test_w_async_tiles_stage_the_weight_ring_in_shared_memory() -> None:
-    """w_async: register-path tiles of <= w_async_max_rows rows whose weight ring (stages groups per
-    warp: a 16-byte word and a 4-byte scale word per lane) sits in shared memory, filled by cp.async
-    (names `_wa1`). They race inside the existing K plans (never changing which plans exist), cost no
-    ring registers, and the legality rules keep them off x_smem / wsplit / wgmma tiles and sm_70."""
+    """w_async: tiles whose weight ring (stages groups per warp: a 16-byte word and a 4-byte scale word
+    per lane) sits in shared memory, filled by cp.async (names `_wa1`): the listed x_smem shapes,
+    beside their activation ring (>= 3 stages). Register-path ones lost on the H200 (session 12) and
+    are off in the space (w_async_stages: []), which the rules still check. They race inside the
+    existing K plans, and the legality rules keep them off wsplit / wgmma tiles and sm_70."""
     space = load_space(90)
+    assert space.tiles["w_async_stages"] == []
     for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352)):
         cands = candidates(90, fmt, n, k)
         wa = [c for c in cands if c.tile.w_async]
-        assert wa and all("_wa1_" in c.name and not c.tile.wsplit for c in wa)
+        assert wa and all("_xs1_wa1_" in c.name and c.tile.x_smem and not c.tile.wsplit for c in wa)
         assert {c.kplan for c in wa} <= {c.kplan for c in cands if not c.tile.w_async}
-        reg = [c for c in wa if not c.tile.x_smem]
-        assert {c.tile.stages for c in reg} == set(space.tiles["w_async_stages"])
-        assert all(c.tile.rows <= max(space.tiles["w_async_max_rows"]) for c in reg)
         listed = {tuple(x) for x in space.tiles["w_async_x_smem_tiles"]}
-        xs = [c for c in wa if c.tile.x_smem]  # beside the activation ring, >= 3 stages
-        assert all((c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) in listed for c in xs)
-        assert all(c.tile.stages >= 3 and "_xs1_wa1_" in c.name for c in xs)
+        assert all((c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) in listed for c in wa)
         for c in wa:
             twin = replace(c, tile=replace(c.tile, w_async=0))
-            assert c.reg_estimate() < twin.reg_estimate() or c.tile.stages == 1
             wring = c.threads // 32 * c.tile.stages * c.tile.warp_nt * 32 * 20
-            assert c.smem_bytes() >= wring + (twin.smem_bytes() if c.tile.x_smem else 0)
+            assert c.smem_bytes() >= wring + twin.smem_bytes()
             assert c.to_dict()["tile"]["w_async"] == 1 and "w_async" not in twin.to_dict()["tile"]
     base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.w_async)
-    for bad in (dict(rows=32), dict(stages=3), dict(x_smem=1, x_ahead=0, warps_n=2)):
-        assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
-    assert "w_async" in illegal_reason(replace(base, tile=replace(base.tile, stages=3)))
+    reg = replace(base, tile=replace(base.tile, x_smem=0, x_ahead=1, warps_n=2, stages=4))
+    assert "w_async register-path tiles" in illegal_reason(reg)  # none listed in w_async_stages
+    assert "w_async_x_smem_tiles" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=2)))
     assert not any(c.tile.w_async for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
     # the manifest entry round-trips through the tuner's spec_of; only w_async sources declare W_ASYNC
     from dflashgen.render import render_kernel
@@ -347,4 +343,46 @@ def test_w_async_tiles_stage_the_weight_ring_in_shared_memory() -> None:
 
     assert spec_of(base.to_dict()) == base and spec_of(base.to_dict()).name == base.name
     assert "static constexpr bool W_ASYNC = true;" in render_kernel(base)
-    assert "W_ASYNC" not in render_kernel(replace(base, tile=replace(base.tile, w_async=0, stages=3)))
+    assert "W_ASYNC" not in render_kernel(replace(base, tile=replace(base.tile, w_async=0)))
+
+
+def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """l2_ahead: every register-path tile of <= l2_ahead_max_rows rows at x_ahead 1 (base and deep
+    stages) also comes with its lanes prefetching into L2 the words the next trip's refills load
+    (names `_pf1`). Same K plans (they never change which plans exist), same cost-model time and
+    launch bounds as the twin, sm_90 only, and only their sources declare L2_AHEAD."""
+    import dflashgen.schedule as sched
+    from dflashgen.render import render_kernel
+    from dflashgen.tune import spec_of
+
+    space = load_space(90)
+    problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
+    with_pf = {p: sched._mma_sync_plans(90, *p) for p in problems}
+    off = replace(space, tiles={**space.tiles, "l2_ahead": []})
+    monkeypatch.setattr(sched, "load_space", lambda arch: off if arch == 90 else load_space(arch))
+    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == with_pf
+    assert not any(c.tile.l2_ahead for c in candidates(90, "nvfp4", 34816, 5120))
+    monkeypatch.undo()
+    for fmt, n, k in problems:
+        cands = candidates(90, fmt, n, k)
+        pf = [c for c in cands if c.tile.l2_ahead]
+        assert pf and all("_pf1_" in c.name for c in pf)
+        twins = {replace(c, tile=replace(c.tile, l2_ahead=0)) for c in pf}
+        # each one's twin is emitted, with the same launch bounds; and every eligible tile has one
+        assert twins <= set(cands)
+        eligible = {c for c in cands if not (c.tile.x_smem or c.tile.w_async or c.tile.l2_ahead)
+                    and c.tile.x_ahead == 1 and c.tile.rows <= max(space.tiles["l2_ahead_max_rows"])
+                    and c.threads <= max(space.tiles["deep_max_threads"])}  # as deep stages: not at 512
+        assert twins == eligible
+        for c in pf:
+            twin = replace(c, tile=replace(c.tile, l2_ahead=0))
+            assert model_us(c, 8) == model_us(twin, 8)
+            assert spec_of(c.to_dict()) == c and "l2_ahead" not in twin.to_dict()["tile"]
+    base = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.l2_ahead)
+    for bad in (dict(x_ahead=2), dict(x_ahead=0), dict(w_async=1), dict(x_smem=1, x_ahead=0)):
+        assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
+    assert "l2_ahead" in illegal_reason(replace(base, tile=replace(base.tile, rows=32)))
+    assert not any(c.tile.l2_ahead for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
+    src = render_kernel(base)
+    assert "static constexpr bool L2_AHEAD = true;" in src
+    assert "L2_AHEAD" not in render_kernel(replace(base, tile=replace(base.tile, l2_ahead=0)))

@@ -86,9 +86,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
+// The 128-byte line holding `p` into L2 (a per-lane hint, no registers, no effect on results).
+// Per lane, not one bulk prefetch from lane 0: its uniform-register operands made ptxas wrap a bulk
+// prefetch in a loop over the lanes (~15 instructions each).
+__device__ __forceinline__ void prefetch_l2_line(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Optional tile flags: Cfg::FLAG where a kernel's Cfg declares it, false where it does not (only the
-// kernels of a wgmma K plan declare WGMMA, wsplit tiles WSPLIT, w_async tiles W_ASYNC), so the
-// sources of the other kernels never mention them.
+// kernels of a wgmma K plan declare WGMMA, wsplit tiles WSPLIT, w_async tiles W_ASYNC, l2_ahead tiles
+// L2_AHEAD), so the sources of the other kernels never mention them.
 #define DFLASHGEN_CFG_FLAG(TRAIT, FLAG)        \
   template <class C, class = void>             \
   struct TRAIT {                               \
@@ -101,6 +108,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 DFLASHGEN_CFG_FLAG(CfgWgmma, WGMMA)
 DFLASHGEN_CFG_FLAG(CfgWsplit, WSPLIT)
 DFLASHGEN_CFG_FLAG(CfgWasync, W_ASYNC)
+DFLASHGEN_CFG_FLAG(CfgL2Ahead, L2_AHEAD)
 #undef DFLASHGEN_CFG_FLAG
 
 template <class Cfg>
@@ -184,6 +192,39 @@ struct SkinnyGemm {
   static_assert(!Cfg::X_SMEM || T::XCPR != 8 || XRSTEP % 2 == 0, "the swizzle must be the same for all of a copier's rows");
 
   static_assert(Cfg::STAGES <= PAD_GROUPS, "prefetch past a worker's range must stay in the padded stream");
+
+  // L2_AHEAD (register-path tiles): ptxas puts every register-ring refill of an unrolled trip at the
+  // trip's end, so the first decode of each trip waits for a DRAM round trip (PC sampling, session
+  // 12: 34% of the served M = 8 gate_up tile's stall samples on that one instruction). The refills
+  // stay where they are (a consumer waits for them wherever they sit); instead, at each trip's top
+  // every lane asks L2 for its words of the groups the NEXT trip refills, so those refills hit L2.
+  static constexpr bool L2A = CfgL2Ahead<Cfg>::value;
+  static_assert(!L2A || (!Cfg::X_SMEM && !W_ASYNC && !WG && !WSPLIT), "L2_AHEAD is for register-path tiles");
+
+  // Groups at .. at + COUNT - 1 past the running pointers of this lane's weight (and scale) words
+  // into L2, those before `left` (the groups the worker has from the running pointers on: never
+  // past its range). All in range (every full trip but the last ones): immediate offsets, no
+  // address arithmetic; else a short loop over the ones that are.
+  __device__ __forceinline__ static void l2_line(const uint4* const (&wp)[Cfg::WARP_NT],
+                                                 const typename T::Scale* const (&sp)[Cfg::WARP_NT], const int g) {
+#pragma unroll
+    for (int i = 0; i < Cfg::WARP_NT; ++i) {
+      prefetch_l2_line(wp[i] + g * 32);
+      if constexpr (NVFP4) prefetch_l2_line(sp[i] + g * T::SCALE_WORDS);
+    }
+  }
+  template <int COUNT>
+  __device__ __forceinline__ static void l2_ahead(const uint4* const (&wp)[Cfg::WARP_NT],
+                                                  const typename T::Scale* const (&sp)[Cfg::WARP_NT],
+                                                  const int at, const int left) {
+    if (at + COUNT <= left) {
+#pragma unroll
+      for (int c = 0; c < COUNT; ++c) l2_line(wp, sp, at + c);
+    } else {
+#pragma unroll 1
+      for (int g = at; g < left; ++g) l2_line(wp, sp, g);
+    }
+  }
 
   // W_ASYNC: this lane's words of its warp's weight ring (slot s, warp tile i): the copy that fills
   // them and the decode that reads them. Only the lane that copied a word reads it.
@@ -329,13 +370,15 @@ struct SkinnyGemm {
             if constexpr (NVFP4) dep |= static_cast<unsigned>(sbuf[st][i]);
           }
       }
-      pdl_wait_after(dep);
-
       // groups per trip: a multiple of STAGES and of XB (2; X_AHEAD + 1 activation buffers when
       // X_AHEAD > 1) and, for X_SMEM, of the ring's XST
       constexpr int XB = Cfg::X_AHEAD > 1 ? Cfg::X_AHEAD + 1 : 2;
       constexpr int U0 = Cfg::STAGES * XB / gcd_c(Cfg::STAGES, XB);
       constexpr int U = Cfg::X_SMEM && !WG ? U0 * XST / gcd_c(U0, XST) : U0;
+      // L2_AHEAD: the first trip's refills (groups STAGES .. STAGES + U - 1), weights only, so ahead
+      // of the wait; each trip then asks for the next trip's at its top.
+      if constexpr (L2A) l2_ahead<U>(wp, sp, Cfg::STAGES, groups);
+      pdl_wait_after(dep);
       if constexpr (WG) {
 #ifdef DFLASHGEN_WGMMA
         run_wgmma(groups, wk, wp, sp, wbuf, sbuf, acc, smem);
@@ -386,6 +429,7 @@ struct SkinnyGemm {
       // Full trips with a group after them: no per-group bounds check, every fetch taken.
       int g = 0;
       for (; g + U < groups; g += U) {
+        if constexpr (L2A) l2_ahead<U>(wp, sp, U + Cfg::STAGES, groups - g);
         // a group follows the trip, so fetches up to one group past it need no check
 #pragma unroll
         for (int u = 0; u < U; ++u) step(u, u + XA <= U || g + u + XA < groups);
