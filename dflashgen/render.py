@@ -56,7 +56,7 @@ def render_kernel(spec: KernelSpec) -> str:
         n_out=spec.n_out, split_k=spec.kplan.split_k, warps_k=spec.kplan.warps_k, kg=spec.kplan.k_group,
         rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
         x_ahead=spec.tile.x_ahead, x_smem=spec.tile.x_smem, wsplit=spec.tile.wsplit, ctas_k=spec.ctas_k,
-        w_async=spec.tile.w_async, l2_ahead=spec.tile.l2_ahead,
+        w_async=spec.tile.w_async, l2_ahead=spec.tile.l2_ahead, serial=spec.tile.serial,
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
         epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,
@@ -65,12 +65,8 @@ def render_kernel(spec: KernelSpec) -> str:
 
 
 def _min_blocks_arg(spec: KernelSpec) -> str:
-    """The __launch_bounds__ min-blocks argument. Without one ptxas picks its own register target,
-    which for 512-thread CTAs spills; an explicit 1 lets it take up to 255 registers (and it does),
-    so 1 is written only for 512-thread CTAs."""
-    if spec.tile.min_blocks > 1:
-        return f", {spec.tile.min_blocks}"
-    return ", 1" if spec.threads >= 512 else ""
+    """The __launch_bounds__ min-blocks argument (KernelSpec.launch_min_blocks; none when 0)."""
+    return f", {spec.launch_min_blocks}" if spec.launch_min_blocks else ""
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ class Tile:
     # scale words the next trip's ring refills load (names `_pf1`; skinny_gemm.cuh L2_AHEAD): the
     # same loads, decode and MMAs, so the same bits
     l2_ahead: int = 0
+    # 1: x_smem tile whose one CTA walks ALL of its K plan's workers' ranges with one pipeline, folding
+    # each worker's sums into running sums in shared memory in the plan's order (names `_sw1`;
+    # skinny_gemm.cuh SERIAL): the plan's bits, no partials, grid z = 1
+    serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,13 +128,25 @@ class KernelSpec:
 
     @property
     def workers_per_cta(self) -> int:
-        """K workers per CTA: the plan's warps_k, or 1 for a wsplit tile."""
-        return 1 if self.tile.wsplit else self.kplan.warps_k
+        """K workers per CTA at once: the plan's warps_k, or 1 for a wsplit or serial tile."""
+        return 1 if self.tile.wsplit or self.tile.serial else self.kplan.warps_k
 
     @property
     def ctas_k(self) -> int:
-        """CTAs along K (grid z, partial slots): split_k, times warps_k for a wsplit tile."""
+        """CTAs along K (grid z, partial slots): split_k, times warps_k for a wsplit tile; 1 for a
+        serial tile (one CTA walks every worker)."""
+        if self.tile.serial:
+            return 1
         return self.kplan.split_k * (self.kplan.warps_k if self.tile.wsplit else 1)
+
+    @property
+    def launch_min_blocks(self) -> int:
+        """The __launch_bounds__ min-blocks argument written (0: none). Without one ptxas picks its
+        own register target, which spilled 512-thread CTAs and NVFP4 r32 serial tiles; an explicit 1
+        lets it take up to 255 registers."""
+        if self.tile.min_blocks > 1:
+            return self.tile.min_blocks
+        return 1 if self.threads >= 512 or self.tile.serial else 0
 
     @property
     def threads(self) -> int:
@@ -154,7 +170,7 @@ class KernelSpec:
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
-                f"_mb{t.min_blocks}")
+                f"{'_sw1' if t.serial else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -189,6 +205,9 @@ class KernelSpec:
         # w_async: per warp and stage 16 weight bytes and a 4-byte scale word per lane (beside the
         # activation ring of an x_smem tile)
         wring = self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4) if self.tile.w_async else 0
+        # serial: each lane's running sums beside the ring (and the finished splits' with split-K)
+        if self.tile.serial:
+            wring = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
         return max(red, ring + wring) if self.tile.x_smem else max(red, wring)
 
     def reg_estimate(self) -> int:
@@ -222,13 +241,16 @@ class KernelSpec:
             del tile["w_async"]  # register-ring tiles keep their pre-w_async form
         if not self.tile.l2_ahead:
             del tile["l2_ahead"]  # and their pre-l2_ahead form
+        if not self.tile.serial:
+            del tile["serial"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
             "kplan": kplan, "tile": tile, "threads": self.threads,
-            "smem_bytes": self.smem_bytes(), "serves": list(self.serves),
+            "smem_bytes": self.smem_bytes(), "launch_min_blocks": self.launch_min_blocks,
+            "serves": list(self.serves),
         }
-        if self.tile.wsplit:
+        if self.tile.wsplit or self.tile.serial:
             d["ctas_k"] = self.ctas_k  # grid z and partial slots (the runtime's split count)
         if self.smem_dynamic:
             d["smem_dynamic"] = True
@@ -435,6 +457,9 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return (f"l2_ahead only for register-path mma.sync tiles at x_ahead=1 of <= "
                 f"{space.tiles.get('l2_ahead_max_rows', [0])} rows, where the space lists l2_ahead "
                 f"({space.tiles.get('l2_ahead', [])})")
+    if t.serial and (not t.x_smem or t.wsplit or t.w_async or spec.kplan.wgmma
+                     or spec.kplan.split_k * spec.kplan.warps_k < 2):
+        return "serial tiles are mma.sync x_smem tiles of plans with >= 2 K workers (one CTA walks them all)"
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -458,8 +483,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
 
 
 def _shape_list(t: Tile) -> str:
-    """The space's list an x_smem tile's shape must be in: wsplit_tiles or x_smem_tiles."""
-    return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
+    """The space's list an x_smem tile's shape must be in: wsplit_tiles, serial_tiles or x_smem_tiles."""
+    return "wsplit_tiles" if t.wsplit else "serial_tiles" if t.serial else "x_smem_tiles"
 
 
 def _reg_need(spec: KernelSpec, space: ArchSpace) -> int:
@@ -494,10 +519,11 @@ def candidates(arch: int, fmt: str, n: int, k: int, silu: bool = False,
     plans = _mma_sync_plans(arch, fmt, n, k)
     alt_rows = load_space(arch).k_plan.get("alt_max_rows", 64)
     for i, plan in enumerate(plans):
-        # alternatives are for the small-M buckets (SM fill), register-path tiles only; rows=8
-        # still serves any M
+        # alternatives are for the small-M buckets (SM fill), register-path tiles only (rows=8 still
+        # serves any M), plus the serial tiles: the plan is chosen jointly over all M buckets, and
+        # serial tiles are the ones that take M = 32-64 in the plan's own order
         out += [c for c in _plan_tiles(arch, fmt, n, k, silu, plan, serves)
-                if i == 0 or (c.tile.rows <= alt_rows and not c.tile.x_smem)]
+                if i == 0 or (c.tile.rows <= alt_rows and not c.tile.x_smem) or c.tile.serial]
     for plan in wgmma_plans(arch, fmt, n, k):
         out += _wgmma_tiles(arch, fmt, n, k, silu, plan, serves)
     return out
@@ -564,6 +590,12 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     for rows, warp_nt, warps_n, stages, *_ in space.tiles.get("wsplit_tiles", []):
         c = KernelSpec(arch, fmt, n, k, silu, kp,
                        Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, wsplit=1), serves)
+        if illegal_reason(c) is None and c not in out:
+            out.append(c)
+    # serial shapes (one CTA walks all of the plan's K workers): x_smem tiles from their own list
+    for rows, warp_nt, warps_n, stages, *_ in space.tiles.get("serial_tiles", []):
+        c = KernelSpec(arch, fmt, n, k, silu, kp,
+                       Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1), serves)
         if illegal_reason(c) is None and c not in out:
             out.append(c)
     return out

@@ -62,7 +62,7 @@ def spec_of(entry: dict[str, Any]) -> KernelSpec:
     tile = Tile(rows=t["rows"], warp_nt=t["warp_nt"], warps_n=t.get("warps_n", 2), stages=t.get("stages", 3),
                 min_blocks=t.get("min_blocks", 1), x_ahead=t.get("x_ahead", 1), x_smem=t.get("x_smem", 0),
                 wsplit=t.get("wsplit", 0), w_async=t.get("w_async", 0),
-                l2_ahead=t.get("l2_ahead", 0))
+                l2_ahead=t.get("l2_ahead", 0), serial=t.get("serial", 0))
     threads = entry.get("threads", 32 * tile.warps_n * kp.get("warps_k", 1))
     plan = KPlan(split_k=kp.get("split_k", 1), warps_k=kp.get("warps_k", threads // (32 * tile.warps_n)),
                  k_group=kp.get("k_group", lay.k_group), wgmma=kp.get("wgmma", 0))
@@ -82,10 +82,12 @@ def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.
     jointly over all buckets, so every plan keeps its own leaders at every M. Within a plan the
     x_smem tiles are ranked among themselves (within `keep_x_smem` of their best): only they carry
     the model's L1TEX / L2 traffic terms, which are calibrated on one ncu point, so they neither
-    crowd out the register-path tiles nor get dropped against those tiles' leaner model."""
+    crowd out the register-path tiles nor get dropped against those tiles' leaner model. Serial
+    tiles (one CTA walks all K workers: few warps, modelled latency-bound) likewise among themselves."""
     by_plan: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for e in entries:
-        by_plan[(json.dumps(e["kplan"], sort_keys=True), int(e["tile"].get("x_smem", 0)))].append(e)
+        by_plan[(json.dumps(e["kplan"], sort_keys=True), int(e["tile"].get("x_smem", 0))
+                 + int(e["tile"].get("serial", 0)))].append(e)
     out = []
     for plan in sorted(by_plan):
         # ties (rows that all cover M) go to the smallest tile: least padded work

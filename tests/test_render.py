@@ -160,7 +160,9 @@ def test_x_smem_rings_above_48k_render_dynamic_shared_memory() -> None:
     cands = candidates(90, "nvfp4", 16480, 5120)
     # (w_async x_smem tiles add their weight ring to the activation ring: those cross 48 KB from 16 rows)
     assert all(c.smem_dynamic == (c.smem_bytes() > 48 * 1024) for c in cands if c.tile.w_async and c.tile.x_smem)
-    dyn = [c for c in cands if c.smem_dynamic and not c.tile.w_async]
+    # (and serial tiles their running sums: r64 wn8 with split-K crosses it)
+    assert all(c.smem_dynamic == (c.smem_bytes() > 48 * 1024) for c in cands if c.tile.serial)
+    dyn = [c for c in cands if c.smem_dynamic and not c.tile.w_async and not c.tile.serial]
     assert {c.tile.rows for c in dyn} == {32, 64} and all(c.kplan.warps_k == 8 for c in dyn)
     assert {c.smem_bytes() for c in dyn} == {98304, 196608}  # 32 / 64 rows; the 64-row ring is 1 CTA per SM
     dyn.sort(key=lambda c: c.tile.rows)

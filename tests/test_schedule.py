@@ -131,7 +131,7 @@ def test_x_smem_tiles() -> None:
     for arch in (80, 90):
         shapes = [s[:4] for s in load_space(arch).tiles["x_smem_tiles"]]
         xs = [c for c in candidates(arch, "nvfp4", 34816, 5120)
-              if c.tile.x_smem and not c.kplan.wgmma and not c.tile.wsplit]
+              if c.tile.x_smem and not c.kplan.wgmma and not c.tile.wsplit and not c.tile.serial]
         assert {c.tile.rows for c in xs} == ({8, 16, 32, 64} if arch == 90 else {64})
         assert {c.tile.warp_nt for c in xs} == ({1, 2, 4} if arch == 90 else {1})
         assert {c.tile.warps_n for c in xs} >= {2, 4}
@@ -147,10 +147,11 @@ def test_x_smem_tiles() -> None:
     # warp_nt 4 only where the x_smem list names it: no register-path tile of it
     assert all(c.tile.x_smem for c in candidates(90, "nvfp4", 8704, 5120) if c.tile.warp_nt == 4)
     assert not any(c.tile.x_smem for c in candidates(70, "nvfp4", 34816, 5120))
-    # alternative (split-K) plans keep register-path tiles only
+    # alternative (split-K) plans keep register-path tiles only, and the serial tiles
     for fmt, n, k in (("fp8_channel", 34816, 5120), ("nvfp4", 5120, 17408), ("nvfp4", 8704, 5120)):
         base_plan = k_plan(90, fmt, n, k)
-        assert not any(c.tile.x_smem for c in candidates(90, fmt, n, k) if c.kplan != base_plan and not c.kplan.wgmma)
+        assert not any(c.tile.x_smem and not c.tile.serial for c in candidates(90, fmt, n, k)
+                       if c.kplan != base_plan and not c.kplan.wgmma)
     base = KernelSpec(90, "nvfp4", 34816, 5120, False, KPlan(1, 2, 64), Tile(64, 1, 2, 3, x_ahead=0, x_smem=1))
     assert illegal_reason(base) is None
     assert illegal_reason(replace(base, tile=replace(base.tile, rows=16))) is None
@@ -386,3 +387,40 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
     src = render_kernel(base)
     assert "static constexpr bool L2_AHEAD = true;" in src
     assert "L2_AHEAD" not in render_kernel(replace(base, tile=replace(base.tile, l2_ahead=0)))
+
+
+def test_serial_tiles_walk_every_k_worker_in_one_cta() -> None:
+    """serial: the listed x_smem shapes whose ONE CTA walks all of its plan's split_k x warps_k K
+    workers (names `_sw1`): grid z = 1, no split-K workspace, the non-split kernel signature, the
+    running sums beside the activation ring in shared memory, an explicit min-blocks 1 (ptxas's own
+    register target spilled NVFP4 r32 ones). On every K plan of a problem (the alternative plans
+    too: the plan is chosen jointly over all M buckets), sm_90 only, never on 1-worker plans."""
+    from dflashgen.render import render_kernel
+    from dflashgen.tune import spec_of
+
+    space = load_space(90)
+    listed = {tuple(x) for x in space.tiles["serial_tiles"]}
+    for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 3584, 5120), ("nvfp4", 5120, 17408)):
+        cands = candidates(90, fmt, n, k)
+        ser = [c for c in cands if c.tile.serial]
+        assert ser and all("_xs1_sw1_" in c.name and c.tile.x_smem and not c.tile.wsplit for c in ser)
+        assert {(c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) for c in ser} <= listed
+        assert {c.kplan for c in ser} == {c.kplan for c in cands if not c.tile.serial and not c.kplan.wgmma}
+        for c in ser:
+            assert c.ctas_k == 1 and c.grid(64)[2] == 1 and c.workspace_floats(64) == 0
+            assert c.threads == 32 * c.tile.warps_n and c.launch_min_blocks == 1
+            acc = c.tile.warp_nt * c.tile.rows // 8 * 4
+            fold = c.tile.warps_n * acc * 32 * 4 * (2 if c.kplan.split_k > 1 else 1)
+            assert c.smem_bytes() == c.x_stages * c.tile.rows * c.kplan.k_group * 2 + fold
+            d = c.to_dict()
+            assert d["tile"]["serial"] == 1 and d["ctas_k"] == 1 and d["launch_min_blocks"] == 1
+            assert spec_of(d) == c
+    base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.serial and c.kplan.split_k > 1)
+    src = render_kernel(base)
+    assert "static constexpr bool SERIAL = true;" in src and "tickets" not in src.split("extern \"C\"")[1]
+    assert f"__launch_bounds__({base.threads}, 1)" in src
+    one = replace(base, kplan=KPlan(split_k=1, warps_k=1, k_group=base.kplan.k_group))
+    assert "serial" in illegal_reason(one)
+    assert "serial" in illegal_reason(replace(base, tile=replace(base.tile, x_smem=0, x_ahead=1, rows=16)))
+    assert "serial_tiles" in illegal_reason(replace(base, tile=replace(base.tile, warps_n=2)))
+    assert not any(c.tile.serial for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))

@@ -16,6 +16,12 @@
 // warp order, then the splits from 0.0f in split order -- so its rows are bitwise those of the
 // in-CTA tiles of the plan. What it buys at large M: a CTA of few warps can take all 64 batch rows
 // (each weight decoded once) while the SM keeps many warps resident.
+// SERIAL tiles place it in time instead: one CTA walks ALL of the plan's SPLIT_K * WARPS_K workers'
+// ranges with one pipeline over the whole K, and where a worker's range ends folds its accumulators
+// into running sums in shared memory -- per split its workers in warp order, then the splits from
+// 0.0f in split order (fold_worker): again the plan's additions in the plan's order, so the same
+// bits. No partials leave the SM, and a K group's activations are staged once per CTA for all its
+// rows (not once per K worker).
 #pragma once
 
 #include "mma_traits.cuh"
@@ -109,6 +115,7 @@ DFLASHGEN_CFG_FLAG(CfgWgmma, WGMMA)
 DFLASHGEN_CFG_FLAG(CfgWsplit, WSPLIT)
 DFLASHGEN_CFG_FLAG(CfgWasync, W_ASYNC)
 DFLASHGEN_CFG_FLAG(CfgL2Ahead, L2_AHEAD)
+DFLASHGEN_CFG_FLAG(CfgSerial, SERIAL)
 #undef DFLASHGEN_CFG_FLAG
 
 template <class Cfg>
@@ -118,8 +125,9 @@ struct SkinnyGemm {
   static constexpr int G = Cfg::K / T::KG;
   static constexpr int WORKERS = Cfg::SPLIT_K * Cfg::WARPS_K;
   static constexpr bool WSPLIT = CfgWsplit<Cfg>::value;
-  static constexpr int WK_CTA = WSPLIT ? 1 : Cfg::WARPS_K;                 // K workers per CTA
-  static constexpr int SPLITS = WSPLIT ? WORKERS : Cfg::SPLIT_K;          // CTAs along K (grid z)
+  static constexpr bool SERIAL = CfgSerial<Cfg>::value;
+  static constexpr int WK_CTA = WSPLIT || SERIAL ? 1 : Cfg::WARPS_K;       // K workers per CTA at once
+  static constexpr int SPLITS = WSPLIT ? WORKERS : SERIAL ? 1 : Cfg::SPLIT_K;  // CTAs along K (grid z)
   static constexpr int TILES = Cfg::N_PAD / T::TILE_ROWS;
   static constexpr int ACC = Cfg::WARP_NT * NT8 * T::NACC;
   static constexpr int THREADS = 32 * Cfg::WARPS_N * WK_CTA + (CfgWgmma<Cfg>::value ? 32 : 0);
@@ -174,15 +182,25 @@ struct SkinnyGemm {
   struct XsWRing : XsRing {
     WRing w;
   };
+  // SERIAL: beside the activation ring, each lane's running sums: of the current split's workers
+  // (tot) and, with split-K, of the finished splits (spl). Lane-private slots: no barriers. In
+  // registers they cost 32-64 registers (1-3 CTAs per SM); a __noinline__ fold kept acc in local memory.
+  static constexpr int SPL = Cfg::SPLIT_K > 1 ? 1 : 0;
+  struct XsFold : XsRing {
+    float tot[Cfg::WARPS_N][ACC][32];
+    float spl[SPL ? Cfg::WARPS_N : 1][SPL ? ACC : 1][SPL ? 32 : 1];
+  };
   struct alignas(16) Smem {
     union {
       // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
       float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
-      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, XsRing>::type x;
+      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, typename Select<SERIAL, XsFold, XsRing>::type>::type x;
       typename Select<W_ASYNC && !Cfg::X_SMEM, WRing, char>::type wr;  // a placeholder byte for other tiles
     };
   };
   static_assert(!W_ASYNC || (!WG && !WSPLIT), "W_ASYNC is an in-CTA mma.sync tile");
+  static_assert(!SERIAL || (Cfg::X_SMEM && !WG && !WSPLIT && !W_ASYNC && WORKERS > 1),
+                "SERIAL: an mma.sync x_smem tile of a plan with >= 2 K workers");
   static_assert(!W_ASYNC || !Cfg::X_SMEM || Cfg::STAGES >= 3,
                 "X_SMEM W_ASYNC: a weight refill joins the next step's commit group, so it must be >= 3 groups ahead");
   static_assert(!W_ASYNC || sizeof(typename T::Scale) == 4, "W_ASYNC copies 4-byte scale words (cp.async.ca)");
@@ -283,7 +301,8 @@ struct SkinnyGemm {
     const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
     const int tile0 = (blockIdx.y * Cfg::WARPS_N + wn) * Cfg::WARP_NT;
     const int worker = blockIdx.z * WK_CTA + wk;  // WSPLIT: wk = 0, one worker per CTA
-    const int gb = worker * G / WORKERS, ge = (worker + 1) * G / WORKERS;
+    // SERIAL: the CTA walks every worker's range, i.e. all of K
+    const int gb = SERIAL ? 0 : worker * G / WORKERS, ge = SERIAL ? G : (worker + 1) * G / WORKERS;
     const int m0 = blockIdx.x * Cfg::ROWS;
     const bool active = tile0 < TILES;  // TILES % WARP_NT == 0 (checked by the schedule)
     // X_SMEM: warps past N still copy and meet the ring's barriers; they stream the last tile's
@@ -641,6 +660,9 @@ struct SkinnyGemm {
       const int v = blockIdx.z * WK_CTA + w;
       steps = max(steps, (v + 1) * G / WORKERS - v * G / WORKERS);
     }
+    if constexpr (SERIAL) steps = G;
+    // SERIAL: the worker whose range the walk is in, and the group its range ends before
+    [[maybe_unused]] int wcur = 0, wend = G / WORKERS;
     // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
     int xoff[T::KSUB];
 #pragma unroll
@@ -673,6 +695,13 @@ struct SkinnyGemm {
 #pragma unroll
         for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
       }
+      if constexpr (SERIAL) {
+        if (a + 1 == wend) {  // worker wcur's last group: fold its sums, start the next from 0
+          fold_worker(acc, wcur, wn, lane, smem);
+          ++wcur;
+          wend = (wcur + 1) * G / WORKERS;
+        }
+      }
     };
 
     int g = 0;
@@ -693,6 +722,33 @@ struct SkinnyGemm {
       step(u, g + u, true);
     }
     cp_async_wait<0>();
+    if constexpr (SERIAL) {  // the plan's sums: the last split's (or the only split's) total
+      each_acc([&](int i, int j, int e) {
+        acc[i][j][e] = SPL ? smem.x.spl[SPL ? wn : 0][SPL ? acc_index(i, j, e) : 0][SPL ? lane : 0]
+                           : smem.x.tot[wn][acc_index(i, j, e)][lane];
+      });
+    }
+  }
+
+  // SERIAL: worker v's accumulators (split z = v / WARPS_K, warp w = v % WARPS_K) into the running
+  // sums: S_z = ((a_0 + a_1) + ...) as an in-CTA tile's warp 0 adds its workers through `red`, and
+  // with split-K P = ((0.0f + S_0) + S_1) + ... as the split-K combine; then acc = 0 for worker v + 1.
+  template <class Sm>
+  __device__ __forceinline__ static void fold_worker(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], const int v,
+                                                     const int wn, const int lane, Sm& smem) {
+    const int z = v / Cfg::WARPS_K, w = v % Cfg::WARPS_K;
+    each_acc([&](int i, int j, int e) {
+      float& t = smem.x.tot[wn][acc_index(i, j, e)][lane];
+      const float sz = w == 0 ? acc[i][j][e] : t + acc[i][j][e];
+      t = sz;
+      if constexpr (SPL) {
+        if (w == Cfg::WARPS_K - 1) {
+          float& pz = smem.x.spl[SPL ? wn : 0][SPL ? acc_index(i, j, e) : 0][SPL ? lane : 0];
+          pz = (z == 0 ? 0.0f : pz) + sz;
+        }
+      }
+      acc[i][j][e] = 0.0f;
+    });
   }
 
 #ifdef DFLASHGEN_WGMMA
