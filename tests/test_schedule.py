@@ -371,9 +371,10 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
         twins = {replace(c, tile=replace(c.tile, l2_ahead=0)) for c in pf}
         # each one's twin is emitted, with the same launch bounds; and every eligible tile has one
         assert twins <= set(cands)
+        # every eligible tile has one, unless its register cap leaves no room for the prefetch
         eligible = {c for c in cands if not (c.tile.x_smem or c.tile.w_async or c.tile.l2_ahead)
                     and c.tile.x_ahead == 1 and c.tile.rows <= max(space.tiles["l2_ahead_max_rows"])
-                    and c.threads <= max(space.tiles["deep_max_threads"])}  # as deep stages: not at 512
+                    and 65536 // (c.threads * c.tile.min_blocks) >= c.reg_estimate() + sched.L2_AHEAD_REGS}
         assert twins == eligible
         for c in pf:
             twin = replace(c, tile=replace(c.tile, l2_ahead=0))

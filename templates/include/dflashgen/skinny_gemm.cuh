@@ -188,13 +188,16 @@ struct SkinnyGemm {
   static constexpr int SPL = Cfg::SPLIT_K > 1 ? 1 : 0;
   struct XsFold : XsRing {
     float tot[Cfg::WARPS_N][ACC][32];
-    float spl[SPL ? Cfg::WARPS_N : 1][SPL ? ACC : 1][SPL ? 32 : 1];
   };
+  struct XsFoldSplit : XsFold {
+    float spl[Cfg::WARPS_N][ACC][32];
+  };
+  using Fold = typename Select<SPL, XsFoldSplit, XsFold>::type;
   struct alignas(16) Smem {
     union {
       // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
       float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
-      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, typename Select<SERIAL, XsFold, XsRing>::type>::type x;
+      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, typename Select<SERIAL, Fold, XsRing>::type>::type x;
       typename Select<W_ASYNC && !Cfg::X_SMEM, WRing, char>::type wr;  // a placeholder byte for other tiles
     };
   };
@@ -723,10 +726,8 @@ struct SkinnyGemm {
     }
     cp_async_wait<0>();
     if constexpr (SERIAL) {  // the plan's sums: the last split's (or the only split's) total
-      each_acc([&](int i, int j, int e) {
-        acc[i][j][e] = SPL ? smem.x.spl[SPL ? wn : 0][SPL ? acc_index(i, j, e) : 0][SPL ? lane : 0]
-                           : smem.x.tot[wn][acc_index(i, j, e)][lane];
-      });
+      if constexpr (SPL) each_acc([&](int i, int j, int e) { acc[i][j][e] = smem.x.spl[wn][acc_index(i, j, e)][lane]; });
+      else each_acc([&](int i, int j, int e) { acc[i][j][e] = smem.x.tot[wn][acc_index(i, j, e)][lane]; });
     }
   }
 
@@ -743,7 +744,7 @@ struct SkinnyGemm {
       t = sz;
       if constexpr (SPL) {
         if (w == Cfg::WARPS_K - 1) {
-          float& pz = smem.x.spl[SPL ? wn : 0][SPL ? acc_index(i, j, e) : 0][SPL ? lane : 0];
+          float& pz = smem.x.spl[wn][acc_index(i, j, e)][lane];
           pz = (z == 0 ? 0.0f : pz) + sz;
         }
       }
