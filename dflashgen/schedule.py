@@ -207,7 +207,7 @@ class KernelSpec:
         wring = self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4) if self.tile.w_async else 0
         # serial: each lane's running sums beside the ring (and the finished splits' with split-K)
         if self.tile.serial:
-            wring = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
+            wring += self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
         return max(red, ring + wring) if self.tile.x_smem else max(red, wring)
 
     def reg_estimate(self) -> int:
@@ -445,7 +445,7 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         xs_listed = [list(x) for x in space.tiles.get("w_async_x_smem_tiles", [])]
         if t.wsplit or spec.kplan.wgmma or spec.fam != "sm80":
             return "w_async (the weight ring in shared memory, cp.async: sm_80+) is for in-CTA mma.sync tiles"
-        if t.x_smem and [t.rows, t.warp_nt, t.warps_n, t.stages] not in xs_listed:
+        if t.x_smem and not t.serial and [t.rows, t.warp_nt, t.warps_n, t.stages] not in xs_listed:
             return f"w_async x_smem tiles only from the space's w_async_x_smem_tiles {xs_listed}"
         if not t.x_smem and (t.stages not in space.tiles.get("w_async_stages", [])
                              or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
@@ -457,7 +457,7 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return (f"l2_ahead only for register-path mma.sync tiles at x_ahead=1 of <= "
                 f"{space.tiles.get('l2_ahead_max_rows', [0])} rows, where the space lists l2_ahead "
                 f"({space.tiles.get('l2_ahead', [])})")
-    if t.serial and (not t.x_smem or t.wsplit or t.w_async or spec.kplan.wgmma
+    if t.serial and (not t.x_smem or t.wsplit or spec.kplan.wgmma
                      or spec.kplan.split_k * spec.kplan.warps_k < 2):
         return "serial tiles are mma.sync x_smem tiles of plans with >= 2 K workers (one CTA walks them all)"
     if t.min_blocks < 1:
@@ -483,8 +483,11 @@ def illegal_reason(spec: KernelSpec) -> str | None:
 
 
 def _shape_list(t: Tile) -> str:
-    """The space's list an x_smem tile's shape must be in: wsplit_tiles, serial_tiles or x_smem_tiles."""
-    return "wsplit_tiles" if t.wsplit else "serial_tiles" if t.serial else "x_smem_tiles"
+    """The space's list an x_smem tile's shape must be in: wsplit_tiles, serial_tiles (w_async:
+    w_async_serial_tiles) or x_smem_tiles."""
+    if t.serial:
+        return "w_async_serial_tiles" if t.w_async else "serial_tiles"
+    return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
 
 
 def _reg_need(spec: KernelSpec, space: ArchSpace) -> int:
@@ -597,11 +600,13 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
         if illegal_reason(c) is None and c not in out:
             out.append(c)
     # serial shapes (one CTA walks all of the plan's K workers): x_smem tiles from their own list
-    for rows, warp_nt, warps_n, stages, *_ in space.tiles.get("serial_tiles", []):
-        c = KernelSpec(arch, fmt, n, k, silu, kp,
-                       Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1), serves)
-        if illegal_reason(c) is None and c not in out:
-            out.append(c)
+    # (and with their weight ring in shared memory, deeper: w_async_serial_tiles)
+    for key, wa in (("serial_tiles", 0), ("w_async_serial_tiles", 1)):
+        for rows, warp_nt, warps_n, stages, *_ in space.tiles.get(key, []):
+            c = KernelSpec(arch, fmt, n, k, silu, kp,
+                           Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa), serves)
+            if illegal_reason(c) is None and c not in out:
+                out.append(c)
     return out
 
 

@@ -182,11 +182,13 @@ struct SkinnyGemm {
   struct XsWRing : XsRing {
     WRing w;
   };
-  // SERIAL: beside the activation ring, each lane's running sums: of the current split's workers
-  // (tot) and, with split-K, of the finished splits (spl). Lane-private slots: no barriers. In
-  // registers they cost 32-64 registers (1-3 CTAs per SM); a __noinline__ fold kept acc in local memory.
+  using XsBase = typename Select<W_ASYNC, XsWRing, XsRing>::type;
+  // SERIAL: beside the activation (and W_ASYNC weight) ring, each lane's running sums: of the current
+  // split's workers (tot) and, with split-K, of the finished splits (spl). Lane-private slots: no
+  // barriers. In registers they cost 32-64 registers (1-3 CTAs per SM); a __noinline__ fold kept acc
+  // in local memory.
   static constexpr int SPL = Cfg::SPLIT_K > 1 ? 1 : 0;
-  struct XsFold : XsRing {
+  struct XsFold : XsBase {
     float tot[Cfg::WARPS_N][ACC][32];
   };
   struct XsFoldSplit : XsFold {
@@ -197,12 +199,12 @@ struct SkinnyGemm {
     union {
       // the K reduction's slots (a CTA with one K worker has none: a placeholder element)
       float red[WK_CTA > 1 ? WK_CTA - 1 : 1][WK_CTA > 1 ? Cfg::WARPS_N : 1][WK_CTA > 1 ? ACC : 1][WK_CTA > 1 ? 32 : 1];
-      typename Select<Cfg::X_SMEM && W_ASYNC, XsWRing, typename Select<SERIAL, Fold, XsRing>::type>::type x;
+      typename Select<SERIAL, Fold, XsBase>::type x;
       typename Select<W_ASYNC && !Cfg::X_SMEM, WRing, char>::type wr;  // a placeholder byte for other tiles
     };
   };
   static_assert(!W_ASYNC || (!WG && !WSPLIT), "W_ASYNC is an in-CTA mma.sync tile");
-  static_assert(!SERIAL || (Cfg::X_SMEM && !WG && !WSPLIT && !W_ASYNC && WORKERS > 1),
+  static_assert(!SERIAL || (Cfg::X_SMEM && !WG && !WSPLIT && WORKERS > 1),
                 "SERIAL: an mma.sync x_smem tile of a plan with >= 2 K workers");
   static_assert(!W_ASYNC || !Cfg::X_SMEM || Cfg::STAGES >= 3,
                 "X_SMEM W_ASYNC: a weight refill joins the next step's commit group, so it must be >= 3 groups ahead");
