@@ -53,7 +53,7 @@ class AttnSpec:
     hs: int = 1  # CTAs per (request, KV head, split), each a part of the group's query rows
     ds: int = 1  # warps per (16-row block, token group): QK tokens and PV columns split DS ways
     short: tuple[tuple[int, int], ...] = ()  # split rule tiers (max length, split) below `split`
-    wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg 1 / 2 warpgroups; hs = ds = 1
+    wg: int = 0  # 1: sm_90a warpgroup-MMA kernel (verify_attention_wgmma.cuh); kvg 1 / 2 warpgroups; ds = 1
     # 1 (wg only, FP16 KV): K/V by TMA (cp.async.bulk.tensor, 128-byte swizzle) from one extra producer warp,
     # full / empty mbarriers per stage; the runtime passes a tensor map of each pool (kernel parameters)
     tma: int = 0
@@ -183,8 +183,8 @@ def check(spec: AttnSpec, smem_limit: int) -> None:
     if spec.wg:
         if spec.arch != 90:
             raise AttnScheduleError(f"{spec.name}: wg: 1 (wgmma) exists on sm_90 only, not sm_{spec.arch}")
-        if spec.kvg not in (1, 2) or spec.hs != 1 or spec.ds != 1:
-            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes kvg 1 or 2 (warpgroups), no hs / ds")
+        if spec.kvg not in (1, 2) or spec.ds != 1:
+            raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes kvg 1 or 2 (warpgroups), no ds")
         if spec.rows > WG_ROWS or spec.rows % 8:
             raise AttnScheduleError(f"{spec.name}: the wgmma kernel takes <= {WG_ROWS} query rows per KV group "
                                     f"(a multiple of 8), not {spec.rows}")

@@ -107,6 +107,7 @@ def test_bad_split_rules_in_the_schedule(monkeypatch, tiers, match) -> None:
                                           ({"wg": 1, "hq": 12}, "<= 64 query rows"),
                                           ({"wg": 1, "tile": 128, "split": 512}, "tile is one of"),
                                           ({"wg": 1, "stages": 1}, ">= 2 stages"),
+                                          ({"wg": 1, "hs": 2}, "row parts"),  # 24 rows: the merge's 16-row parts
                                           ({"wg": 1, "tile": 64, "stages": 4}, "shared memory"),
                                           # its TMA variant (tma: 1): wg, FP16 KV, 16-token pages only
                                           ({"tma": 1}, "variant of the wgmma kernel"),
@@ -840,3 +841,19 @@ def test_wgmma_default_can_be_switched_off(monkeypatch) -> None:
         assert mma["name"] == wg["fallback"] and not mma.get("wg") and not mma["default"]
         assert (mma["split"], mma["short"]) == (wg["split"], wg["short"])  # same split boundaries
         assert select_kernel(90, hq, hkv, 256, "e4m3", 16) == fp8
+
+
+def test_wgmma_kernel_takes_row_parts() -> None:
+    """hs: 3 row parts of the wgmma kernel (16 of the 48 rows per CTA, padded to the wgmma M): legal,
+    raced as an extra beside its hs = 1 twin (the same tile, stages, token groups and split: the GPU
+    test of work-placement twins then holds it bitwise to that twin), never served by default."""
+    af.check(_wg_spec(hs=3), 232448)
+    af.check(_wg_spec(hq=6, hkv=1, split=256, hs=3), 232448)
+    specs = af.specs()
+    for hq, hkv in TARGET_HEADS:
+        hs3 = [s for s in specs if s.wg and s.hs == 3 and (s.hq, s.hkv) == (hq, hkv)]
+        assert hs3 and not any(s.default for s in hs3)
+        for s in hs3:
+            twin = [t for t in specs if t.wg and t.hs == 1 and (t.hq, t.hkv, t.tile, t.stages, t.kvg, t.split, t.short)
+                    == (s.hq, s.hkv, s.tile, s.stages, s.kvg, s.split, s.short)]
+            assert twin and "_hs3_" in s.name and s.smem == twin[0].smem

@@ -180,7 +180,13 @@ struct VerifyAttentionWg {
   using Base = VerifyAttention<Cfg>;  // the merge kernel, length check
   static constexpr int GROUP = Cfg::GROUP, QROWS = Cfg::QROWS, HKV = Cfg::HKV, HQ = GROUP * HKV;
   static constexpr int D = Cfg::D, T = Cfg::TILE, STAGES = Cfg::STAGES, SPLIT = Cfg::SPLIT, PAGE = Cfg::PAGE;
-  static constexpr int ROWS = GROUP * QROWS;  // real query rows of the KV group
+  // HS row parts (CTAs) per (request, KV head, split), as VerifyAttention's: part p takes rows
+  // p ROWS .. (p + 1) ROWS - 1 of the group's ROWS_ALL, padded to the wgmma M. A row's arithmetic is
+  // the same in any part (each accumulator row is its own dot products and softmax), so HS only moves
+  // work: HS = 3 triples the CTAs of a small batch (TP1 16K B1: 256 -> 768), each re-reading the
+  // split's K / V (from L2 after the first).
+  static constexpr int HS = Cfg::HS, ROWS_ALL = GROUP * QROWS;
+  static constexpr int ROWS = ROWS_ALL / HS;  // real query rows of this CTA
   static constexpr int M = 64;                // wgmma M: rows ROWS .. 63 are padding
   // KVG token groups = warpgroups: a ring stage holds KVG tiles, warpgroup g takes tile g of every stage
   // with its own softmax state; the groups' (max, sum, O) are combined in group order at the end.
@@ -190,7 +196,8 @@ struct VerifyAttentionWg {
   static constexpr bool TMA = TMA_;
   static constexpr int NTHREADS = THREADS + (TMA ? 32 : 0);
   static constexpr int CH = D / 8;            // 16-byte chunks per FP16 row
-  static_assert((KVG == 1 || KVG == 2) && Cfg::HS == 1 && Cfg::DS == 1, "wgmma kernel: kvg 1 or 2, no hs / ds");
+  static_assert((KVG == 1 || KVG == 2) && Cfg::DS == 1, "wgmma kernel: kvg 1 or 2, no ds");
+  static_assert(ROWS_ALL % HS == 0, "row parts of equal size");
   static_assert(D == 256, "O accumulator: 64 x 256 FP32 = 128 registers per thread");
   static_assert(ROWS <= M && ROWS % 8 == 0, "one warpgroup of 64 rows per KV group");
   static_assert(T == 16 || T == 32 || T == 64, "tile: wgmma N of the QK step");
@@ -313,7 +320,7 @@ struct VerifyAttentionWg {
                              float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
                              int max_splits, int* __restrict__ err, char* smem_raw, const void* kmap = nullptr,
                              const void* vmap = nullptr) {
-    const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const int part = blockIdx.x % HS, kh = blockIdx.x / HS, b = blockIdx.y, split = blockIdx.z;
     const int* table = block_tables + static_cast<long long>(b) * table_stride;
     int cand[Cfg::NSIZES];  // the split's page id under each split size, loaded with the length
     Base::page_candidates(table, table_stride, split, cand);
@@ -394,7 +401,7 @@ struct VerifyAttentionWg {
       }
     }
     for (int idx = threadIdx.x; idx < M * CH; idx += THREADS) {
-      const int r = idx / CH, c = idx % CH, i = r % QROWS, h = kh * GROUP + r / QROWS;
+      const int r = idx / CH, c = idx % CH, rr = part * ROWS + r, i = rr % QROWS, h = kh * GROUP + rr / QROWS;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (r < ROWS && i < nq)
         v = __ldg(reinterpret_cast<const uint4*>(q + ((static_cast<long long>(b) * nq + i) * HQ + h) * D) + c);
@@ -410,7 +417,7 @@ struct VerifyAttentionWg {
     int limit[2];  // last visible position of each row (padded rows: all; rows past nq as VerifyAttention)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int r = 16 * warp + g + 8 * j, qi = r % QROWS;
+      const int r = 16 * warp + g + 8 * j, qi = (part * ROWS + r) % QROWS;
       limit[j] = r < ROWS && qi < nq ? len - nq + qi : len - 1;
     }
     float m_run[2] = {-DFG_INF, -DFG_INF}, l_run[2] = {0.0f, 0.0f};
@@ -656,7 +663,7 @@ struct VerifyAttentionWg {
     // Partial results of this split (real rows only): O / sum in FP16 (0 for a row the split does not
     // reach), (max, sum) per row (log2 units); the merge is the base kernel's.
     const long long slot = (static_cast<long long>(b) * HKV + kh) * max_splits + split;
-    __half* po = part_o + slot * ROWS * D;
+    __half* po = part_o + (slot * ROWS_ALL + part * ROWS) * D;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r = 16 * warp + g + 8 * j;
@@ -667,7 +674,7 @@ struct VerifyAttentionWg {
           *reinterpret_cast<__half2*>(po + r * D + 8 * n + 2 * tq) =
               __floats2half2_rn(o[4 * n + 2 * j] * inv, o[4 * n + 2 * j + 1] * inv);
         if (tq == 0) {
-          float* pml = part_ml + (slot * ROWS + r) * 2;
+          float* pml = part_ml + (slot * ROWS_ALL + part * ROWS + r) * 2;
           pml[0] = m_run[j];
           pml[1] = l_run[j];
         }
