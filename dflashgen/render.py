@@ -49,7 +49,9 @@ def _env() -> jinja2.Environment:
 
 def render_kernel(spec: KernelSpec) -> str:
     lay = spec.layout
-    return _env().get_template("skinny_gemm.cu.j2").render(
+    # producer tiles: their own template and header (skinny_gemm_pw.cu.j2), outside the other GEMMs' closure
+    template = "skinny_gemm_pw.cu.j2" if spec.tile.producer else "skinny_gemm.cu.j2"
+    return _env().get_template(template).render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
         mma=WGMMA_NAME if spec.kplan.wgmma else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,
         fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,

@@ -99,6 +99,10 @@ class Tile:
     # each worker's sums into running sums in shared memory in the plan's order (names `_sw1`;
     # skinny_gemm.cuh SERIAL): the plan's bits, no partials, grid z = 1
     serial: int = 0
+    # 1: a serial tile whose copies all come from one extra producer warp, `stages` K groups ahead, into a
+    # shared-memory ring the warps_n consumer warps read (names `_pw1`; skinny_gemm_pw.cuh): the
+    # consumers only wait on mbarriers, decode and issue MMAs
+    producer: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
-        return 32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma
+        # (a producer tile: plus its producer warp, skinny_gemm_pw.cuh)
+        return 32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma + 32 * self.tile.producer
 
     @property
     def target(self) -> str:
@@ -170,7 +175,7 @@ class KernelSpec:
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
-                f"{'_sw1' if t.serial else ''}_mb{t.min_blocks}")
+                f"{'_sw1' if t.serial else ''}{'_pw1' if t.producer else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -194,11 +199,16 @@ class KernelSpec:
     @property
     def smem_dynamic(self) -> bool:
         """Shared memory beyond the static 48 KB: declared dynamic, opted in at load, passed at launch."""
-        return self.smem_bytes() > load_space(self.arch).limits["smem_bytes"]
+        return bool(self.tile.producer) or self.smem_bytes() > load_space(self.arch).limits["smem_bytes"]
 
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
+        if self.tile.producer:  # skinny_gemm_pw.cuh SMEM: the ring's stages, the running sums, mbarriers
+            tiles = self.tile.warps_n * self.tile.warp_nt
+            stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0) + self.tile.rows * self.kplan.k_group * 2
+            fold = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
+            return self.tile.stages * stage + fold + 16 * self.tile.stages
         red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
         ring = self.x_stages * self.workers_per_cta * self.tile.rows * self.kplan.k_group * 2
@@ -243,6 +253,8 @@ class KernelSpec:
             del tile["l2_ahead"]  # and their pre-l2_ahead form
         if not self.tile.serial:
             del tile["serial"]
+        if not self.tile.producer:
+            del tile["producer"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -460,6 +472,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     if t.serial and (not t.x_smem or t.wsplit or spec.kplan.wgmma
                      or spec.kplan.split_k * spec.kplan.warps_k < 2):
         return "serial tiles are mma.sync x_smem tiles of plans with >= 2 K workers (one CTA walks them all)"
+    if t.producer and (not t.serial or t.w_async or spec.arch < 90):
+        return "producer tiles are serial x_smem tiles without w_async, on sm_90 (mbarrier waits)"
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -486,7 +500,7 @@ def _shape_list(t: Tile) -> str:
     """The space's list an x_smem tile's shape must be in: wsplit_tiles, serial_tiles (w_async:
     w_async_serial_tiles) or x_smem_tiles."""
     if t.serial:
-        return "w_async_serial_tiles" if t.w_async else "serial_tiles"
+        return "producer_tiles" if t.producer else "w_async_serial_tiles" if t.w_async else "serial_tiles"
     return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
 
 
@@ -601,10 +615,11 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
             out.append(c)
     # serial shapes (one CTA walks all of the plan's K workers): x_smem tiles from their own list
     # (and with their weight ring in shared memory, deeper: w_async_serial_tiles)
-    for key, wa in (("serial_tiles", 0), ("w_async_serial_tiles", 1)):
+    # (and fed by a producer warp: producer_tiles, stages = its ring's K groups)
+    for key, wa, pw in (("serial_tiles", 0, 0), ("w_async_serial_tiles", 1, 0), ("producer_tiles", 0, 1)):
         for rows, warp_nt, warps_n, stages, *_ in space.tiles.get(key, []):
-            c = KernelSpec(arch, fmt, n, k, silu, kp,
-                           Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa), serves)
+            c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1,
+                                                           serial=1, w_async=wa, producer=pw), serves)
             if illegal_reason(c) is None and c not in out:
                 out.append(c)
     return out

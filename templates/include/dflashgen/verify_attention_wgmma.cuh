@@ -67,6 +67,7 @@
 
 #include "verify_attention.cuh"
 #include "verify_attention_wgmma_layout.cuh"
+#include "mbarrier.cuh"
 
 namespace dflashgen {
 
@@ -136,30 +137,12 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
 struct alignas(64) TmaMap {
   unsigned long long opaque[16];
 };
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
-  u32 done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
+// mbarriers: dflashgen/mbarrier.cuh
+using dflashgen::mbar_arrive;
+using dflashgen::mbar_arrive_tx;
+using dflashgen::mbar_init;
+using dflashgen::mbar_init_fence;
+using dflashgen::mbar_wait;
 // Box {c0, c1, c2, c3} of the 4-d map at generic address `map` -> shared `dst`; completes `bytes` of
 // the mbarrier's transaction count (the whole box, zero-filled where it leaves the map).
 __device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, u32 bar, int c0, int c1, int c2, int c3) {

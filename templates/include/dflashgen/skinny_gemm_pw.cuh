@@ -1,0 +1,171 @@
+// dflashgen: the producer-warp skinny GEMM (PRODUCER tiles, names `_pw1`; sm_90), for M = 32-64.
+//
+// Why: every other tile streams its weights into registers or issues its own copies, so a warp waits
+// for its loads between its MMAs, and at M = 32-64 only other warps hide that (the serial tiles ran
+// flat in M at about one memory round trip per K group; session 13). Here one extra warp (the
+// producer) does all the copying, up to STAGES K groups ahead, into a shared-memory ring of stages
+// that each hold one K group of the CTA's weight tiles (every lane's 16-byte word, as the register
+// path loads it), their block scales and the CTA's activation rows (the x_smem layout); the
+// WARPS_N consumer warps only wait on a stage's mbarrier, decode and issue MMAs, and release the
+// stage on another. Completion: each producer lane's cp.async.mbarrier.arrive.noinc on `full`
+// (count 32); each consumer warp's arrive on `empty` (count WARPS_N).
+//
+// Bits: a SERIAL tile's (skinny_gemm.cuh): one CTA walks all of its K plan's SPLIT_K x WARPS_K
+// workers' ranges in order, each worker's groups ascending with the x_smem loop's MMA order, and
+// folds each worker's sums where its range ends -- per split in warp order, then the splits from
+// 0.0f -- so every row equals the plan's anchor bit for bit (dflashgen verify checks it).
+#pragma once
+
+#include "mbarrier.cuh"
+#include "skinny_gemm.cuh"
+
+namespace dflashgen {
+
+template <class Cfg>
+struct SkinnyGemmPw {
+  using Base = SkinnyGemm<Cfg>;  // the fragment shapes, accumulator walk and epilogue
+  using T = typename Base::T;
+  using Scale = typename T::Scale;
+  static constexpr int WN = Cfg::WARPS_N, NT = Cfg::WARP_NT, NT8 = Base::NT8, ACC = Base::ACC;
+  static constexpr int ST = Cfg::STAGES, G = Base::G, WORKERS = Base::WORKERS, TILES = Base::TILES;
+  static constexpr bool NVFP4 = Base::NVFP4;
+  static constexpr int THREADS = 32 * WN + 32;  // the consumers, then the producer warp
+  static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
+                "a producer tile is a serial x_smem tile: one CTA walks every K worker");
+  static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
+  static_assert(!NVFP4 || T::SCALE_WORDS * sizeof(Scale) == 64, "NVFP4 scales: 64 bytes per tile and group");
+
+  // A stage: W[WN][NT][32] 16-byte weight words | S[WN][NT][SCALE_WORDS] (NVFP4) | X[XCHUNKS] chunks.
+  static constexpr int XCHUNKS = Base::XCHUNKS;
+  static constexpr int W_OFF = 0, S_OFF = W_OFF + WN * NT * 32 * 16;
+  static constexpr int X_OFF = S_OFF + (NVFP4 ? WN * NT * 64 : 0);
+  static constexpr int STAGE = X_OFF + XCHUNKS * 16;
+  // Then the running sums (Base's fold layout: tot, and spl with split-K), then full[ST], empty[ST].
+  static constexpr int SPL = Base::SPL;
+  static constexpr int FOLD_OFF = ST * STAGE, FOLD = WN * ACC * 32 * 4;
+  static constexpr int BAR_OFF = FOLD_OFF + (1 + SPL) * FOLD;
+  static constexpr int SMEM = BAR_OFF + 16 * ST;
+  static_assert(STAGE % 16 == 0 && FOLD % 16 == 0, "16-byte aligned stage and fold blocks");
+  // the mbarriers of ring slot s (`sb`: the shared-window address of the dynamic shared memory)
+  __device__ static unsigned full(unsigned sb, int s) { return sb + BAR_OFF + 8 * s; }
+  __device__ static unsigned empty(unsigned sb, int s) { return sb + BAR_OFF + 8 * (ST + s); }
+
+  __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
+                             const void* __restrict__ wscale, const float* __restrict__ col_scale,
+                             __half* __restrict__ out, char* smem) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = blockIdx.x * Cfg::ROWS;
+    const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < ST; ++s) {
+        mbar_init(full(sb, s), 32);
+        mbar_init(empty(sb, s), WN);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    // Activations, outputs (and under programmatic dependent launch the previous kernel's writes):
+    // only after the wait. The weights could go earlier; the ring's depth hides the first stages.
+    pdl_wait();
+    if (warp == WN) {
+      produce(x, M, m0, wq, wscale, smem, sb, lane);
+      return;
+    }
+    consume(M, m0, col_scale, out, smem, sb, warp, lane);
+  }
+
+  // The producer warp: stage after stage, K group a into slot a % ST once the consumers released the
+  // slot's previous group (a - ST). Warp tiles past N copy the last tile's words (in bounds, never stored);
+  // activation rows at or past M are not copied (their B columns feed outputs that are never stored).
+  __device__ static void produce(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
+                                 const void* __restrict__ wscale, char* smem, unsigned sb, int lane) {
+    const char* wsc = static_cast<const char*>(wscale);
+    const int tile0 = blockIdx.y * WN * NT;
+    for (int a = 0; a < G; ++a) {
+      const int s = a % ST;
+      if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
+      char* st = smem + s * STAGE;
+#pragma unroll
+      for (int w = 0; w < WN; ++w)
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          const int t = min(tile0 + w * NT + i, TILES - 1);
+          const size_t tg = static_cast<size_t>(t) * G + a;
+          cp_async16(st + W_OFF + ((w * NT + i) * 32 + lane) * 16, wq + tg * 32 + lane);
+          if constexpr (NVFP4)
+            if (lane < 4) cp_async16(st + S_OFF + (w * NT + i) * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
+        }
+#pragma unroll
+      for (int c = lane; c < XCHUNKS; c += 32) {
+        const int r = c / T::XCPR, cc = c % T::XCPR;
+        const __half* src = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(a) * T::KG + 8 * cc;
+        cp_async16_if(st + X_OFF + 16 * (r * T::XCPR + (cc ^ T::xs_swizzle(r))), src, m0 + r < M);
+      }
+      mbar_arrive_cp_async(full(sb, s));
+    }
+  }
+
+  __device__ static void consume(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
+                                 char* smem, unsigned sb, int wn, int lane) {
+    float acc[NT][NT8][T::NACC];
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
+    // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
+    int xoff[T::KSUB];
+#pragma unroll
+    for (int p = 0; p < T::KSUB; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
+    float* tot = reinterpret_cast<float*>(smem + FOLD_OFF) + wn * ACC * 32 + lane;
+    float* spl = reinterpret_cast<float*>(smem + FOLD_OFF + FOLD) + wn * ACC * 32 + lane;
+    int v = 0, vend = G / WORKERS;  // the worker whose range the walk is in, and where that range ends
+#pragma unroll 1
+    for (int a = 0; a < G; ++a) {
+      const int s = a % ST;
+      mbar_wait(full(sb, s), (a / ST) & 1);
+      const char* st = smem + s * STAGE;
+      typename T::Frag frag[NT];
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const uint4 wv = lds128(reinterpret_cast<const uint4*>(st + W_OFF) + (wn * NT + i) * 32 + lane);
+        Scale sc = 0;
+        if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + (wn * NT + i) * 64)[T::scale_index()];
+        T::decode(wv, sc, frag[i]);
+      }
+      // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
+      const uint4* xs = reinterpret_cast<const uint4*>(st + X_OFF);
+      uint4 xv = lds128(xs + xoff[0]);
+#pragma unroll
+      for (int q = 0; q < T::KSUB * NT8; ++q) {
+        const int p = q / NT8, j = q % NT8;
+        const uint4 cur = xv;
+        if (q + 1 < T::KSUB * NT8) xv = lds128(xs + xoff[(q + 1) / NT8] + 8 * ((q + 1) % NT8) * T::XCPR);
+#pragma unroll
+        for (int i = 0; i < NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(sb, s));  // the MMAs consumed every read of the stage
+      if (a + 1 == vend) {  // worker v's last group: fold its sums (Base::fold_worker's order)
+        const int z = v / Cfg::WARPS_K, w = v % Cfg::WARPS_K;
+        Base::each_acc([&](int i, int j, int e) {
+          float& t = tot[Base::acc_index(i, j, e) * 32];
+          const float sz = w == 0 ? acc[i][j][e] : t + acc[i][j][e];
+          t = sz;
+          if constexpr (SPL) {
+            if (w == Cfg::WARPS_K - 1) {
+              float& pz = spl[Base::acc_index(i, j, e) * 32];
+              pz = (z == 0 ? 0.0f : pz) + sz;
+            }
+          }
+          acc[i][j][e] = 0.0f;
+        });
+        ++v;
+        vend = (v + 1) * G / WORKERS;
+      }
+    }
+    pdl_launch_dependents();
+    const float* sums = SPL ? spl : tot;
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[Base::acc_index(i, j, e) * 32]; });
+    const int tile0 = (blockIdx.y * WN + wn) * NT;
+    if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
+  }
+};
+
+}  // namespace dflashgen
