@@ -284,18 +284,26 @@ def test_deep_stage_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mon
         assert all(f"_st{c.tile.stages}_" in c.name for c in extra)
 
 
+def _assert_plans_without(monkeypatch: pytest.MonkeyPatch, knob: str) -> None:
+    """The sm_90 K plans of three problems are the same with the space's `knob` list emptied (extra tile
+    knobs race inside the plans and never change which exist); leaves the emptied space patched in."""
+    import dflashgen.schedule as sched
+
+    problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
+    space = load_space(90)
+    plans = {p: sched._mma_sync_plans(90, *p) for p in problems}
+    off = replace(space, tiles={**space.tiles, knob: []})
+    monkeypatch.setattr(sched, "load_space", lambda arch: off if arch == 90 else load_space(arch))
+    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == plans
+
+
 def test_far_x_ahead_tiles_race_inside_the_existing_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """far_x_ahead: register-path tiles of far_rows rows also fetch activations two groups ahead
     (three buffers, names `_xa2_`); like deep stages they never change which K plans exist, and the
     legality rules keep x_ahead > 1 off every other tile and arch."""
-    import dflashgen.schedule as sched
 
     space = load_space(90)
-    problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
-    with_far = {p: sched._mma_sync_plans(90, *p) for p in problems}
-    near = replace(space, tiles={**space.tiles, "far_x_ahead": []})
-    monkeypatch.setattr(sched, "load_space", lambda arch: near if arch == 90 else load_space(arch))
-    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == with_far
+    _assert_plans_without(monkeypatch, "far_x_ahead")
     monkeypatch.undo()
     for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 34816, 5120), ("nvfp4", 5120, 17408)):
         cands = candidates(90, fmt, n, k)
@@ -358,10 +366,7 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
 
     space = load_space(90)
     problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
-    with_pf = {p: sched._mma_sync_plans(90, *p) for p in problems}
-    off = replace(space, tiles={**space.tiles, "l2_ahead": []})
-    monkeypatch.setattr(sched, "load_space", lambda arch: off if arch == 90 else load_space(arch))
-    assert {p: sched._mma_sync_plans(90, *p) for p in problems} == with_pf
+    _assert_plans_without(monkeypatch, "l2_ahead")
     assert not any(c.tile.l2_ahead for c in candidates(90, "nvfp4", 34816, 5120))
     monkeypatch.undo()
     for fmt, n, k in problems:

@@ -46,6 +46,20 @@ struct SkinnyGemmPw {
   static constexpr int BAR_OFF = FOLD_OFF + (1 + SPL) * FOLD;
   static constexpr int SMEM = BAR_OFF + 16 * ST;
   static_assert(STAGE % 16 == 0 && FOLD % 16 == 0, "16-byte aligned stage and fold blocks");
+  // The fold region viewed as Base::fold_worker's `smem.x` (tot, and spl only with split-K); sums(): the
+  // plan's result once every worker is folded.
+  struct FoldTot {
+    float tot[WN][ACC][32];
+    __device__ const float (&sums() const)[WN][ACC][32] { return tot; }
+  };
+  struct FoldSpl {
+    float tot[WN][ACC][32];
+    float spl[WN][ACC][32];
+    __device__ const float (&sums() const)[WN][ACC][32] { return spl; }
+  };
+  struct FoldView {
+    typename Select<SPL, FoldSpl, FoldTot>::type x;
+  };
   // the mbarriers of ring slot s (`sb`: the shared-window address of the dynamic shared memory)
   __device__ static unsigned full(unsigned sb, int s) { return sb + BAR_OFF + 8 * s; }
   __device__ static unsigned empty(unsigned sb, int s) { return sb + BAR_OFF + 8 * (ST + s); }
@@ -113,8 +127,8 @@ struct SkinnyGemmPw {
     int xoff[T::KSUB];
 #pragma unroll
     for (int p = 0; p < T::KSUB; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
-    float* tot = reinterpret_cast<float*>(smem + FOLD_OFF) + wn * ACC * 32 + lane;
-    float* spl = reinterpret_cast<float*>(smem + FOLD_OFF + FOLD) + wn * ACC * 32 + lane;
+    // The running sums as Base::fold_worker addresses them (smem.x.tot / .spl [warp][element][lane])
+    auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
     int v = 0, vend = G / WORKERS;  // the worker whose range the walk is in, and where that range ends
 #pragma unroll 1
     for (int a = 0; a < G; ++a) {
@@ -142,27 +156,15 @@ struct SkinnyGemmPw {
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(sb, s));  // the MMAs consumed every read of the stage
-      if (a + 1 == vend) {  // worker v's last group: fold its sums (Base::fold_worker's order)
-        const int z = v / Cfg::WARPS_K, w = v % Cfg::WARPS_K;
-        Base::each_acc([&](int i, int j, int e) {
-          float& t = tot[Base::acc_index(i, j, e) * 32];
-          const float sz = w == 0 ? acc[i][j][e] : t + acc[i][j][e];
-          t = sz;
-          if constexpr (SPL) {
-            if (w == Cfg::WARPS_K - 1) {
-              float& pz = spl[Base::acc_index(i, j, e) * 32];
-              pz = (z == 0 ? 0.0f : pz) + sz;
-            }
-          }
-          acc[i][j][e] = 0.0f;
-        });
+      if (a + 1 == vend) {  // worker v's last group: fold its sums in the plan's order
+        Base::fold_worker(acc, v, wn, lane, fold);
         ++v;
         vend = (v + 1) * G / WORKERS;
       }
     }
     pdl_launch_dependents();
-    const float* sums = SPL ? spl : tot;
-    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[Base::acc_index(i, j, e) * 32]; });
+    const float(&sums)[WN][ACC][32] = fold.x.sums();
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
     const int tile0 = (blockIdx.y * WN + wn) * NT;
     if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
   }
