@@ -83,11 +83,13 @@ def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.
     x_smem tiles are ranked among themselves (within `keep_x_smem` of their best): only they carry
     the model's L1TEX / L2 traffic terms, which are calibrated on one ncu point, so they neither
     crowd out the register-path tiles nor get dropped against those tiles' leaner model. Serial
-    tiles (one CTA walks all K workers: few warps, modelled latency-bound) likewise among themselves."""
+    tiles (one CTA walks all K workers: few warps, modelled latency-bound) likewise among themselves, and
+    the producer tiles among themselves (the model does not see their producer warp)."""
     by_plan: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for e in entries:
-        by_plan[(json.dumps(e["kplan"], sort_keys=True), int(e["tile"].get("x_smem", 0))
-                 + int(e["tile"].get("serial", 0)))].append(e)
+        t = e["tile"]  # groups: register path 0, x_smem 1, serial 2, producer 4
+        by_plan[(json.dumps(e["kplan"], sort_keys=True),
+                 int(t.get("x_smem", 0)) + int(t.get("serial", 0)) + 2 * int(t.get("producer", 0)))].append(e)
     out = []
     for plan in sorted(by_plan):
         # ties (rows that all cover M) go to the smallest tile: least padded work

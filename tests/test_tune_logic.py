@@ -188,6 +188,13 @@ def test_prune_ranks_x_smem_tiles_among_themselves() -> None:
     kept = {e["name"] for e in prune(es, 64, 4300.0, keep=1.0, keep_x_smem=1.0)}
     assert kept == {"reg64", "xs64nt2"}, "the x_smem tiles' leader is timed whatever the register tiles model"
     assert "xs32" in {e["name"] for e in prune(es, 64, 4300.0)}, "the session-3 best (measured) stays in the race"
+    # serial and producer tiles are ranked apart too: each group's leader is timed (the model does not see
+    # the serial walk's latency as the GPU does, nor the producer warp at all)
+    ser = {**entry("ser32", 32, 1), "threads": 128}
+    ser["tile"] = {**ser["tile"], "serial": 1, "warps_n": 4}
+    pw = {**ser, "name": "pw32", "threads": 160, "tile": {**ser["tile"], "producer": 1, "stages": 6}}
+    kept = {e["name"] for e in prune([*es, ser, pw], 64, 4300.0, keep=1.0, keep_x_smem=1.0)}
+    assert {"ser32", "pw32"} <= kept
 
 
 def test_prune_keeps_the_cost_model_leader() -> None:

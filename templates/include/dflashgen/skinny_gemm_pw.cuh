@@ -117,6 +117,7 @@ struct SkinnyGemmPw {
       }
       mbar_arrive_cp_async(full(sb, s));
     }
+    cp_async_wait<0>();  // every copy landed before the warp leaves (its arrivals are tied to them)
   }
 
   __device__ static void consume(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
