@@ -204,10 +204,11 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         nacc = 4 if self.fam == "sm80" else 8
         acc = self.tile.warp_nt * self.tile.rows // 8 * nacc
+        # serial: each lane's running sums (and the finished splits' with split-K)
+        fold = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1) if self.tile.serial else 0
         if self.tile.producer:  # skinny_gemm_pw.cuh SMEM: the ring's stages, the running sums, mbarriers
             tiles = self.tile.warps_n * self.tile.warp_nt
             stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0) + self.tile.rows * self.kplan.k_group * 2
-            fold = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
             return self.tile.stages * stage + fold + 16 * self.tile.stages
         red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
@@ -215,10 +216,7 @@ class KernelSpec:
         # w_async: per warp and stage 16 weight bytes and a 4-byte scale word per lane (beside the
         # activation ring of an x_smem tile)
         wring = self.threads // 32 * self.tile.stages * self.tile.warp_nt * 32 * (16 + 4) if self.tile.w_async else 0
-        # serial: each lane's running sums beside the ring (and the finished splits' with split-K)
-        if self.tile.serial:
-            wring += self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1)
-        return max(red, ring + wring) if self.tile.x_smem else max(red, wring)
+        return max(red, ring + wring + fold) if self.tile.x_smem else max(red, wring)
 
     def reg_estimate(self) -> int:
         """Rough live registers per thread; only used to keep hopeless tiles out."""
