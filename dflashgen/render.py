@@ -49,7 +49,7 @@ def _env() -> jinja2.Environment:
 
 def render_kernel(spec: KernelSpec) -> str:
     lay = spec.layout
-    # producer tiles: their own template and header (skinny_gemm_pw.cu.j2), outside the other GEMMs' closure
+    # producer tiles: their own template and header (skinny_gemm_pw.cu.j2; the library hash covers both)
     template = "skinny_gemm_pw.cu.j2" if spec.tile.producer else "skinny_gemm.cu.j2"
     return _env().get_template(template).render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
@@ -205,12 +205,19 @@ def header_hash(source: str) -> str:
     return h.hexdigest()
 
 
+GEMM_TEMPLATES = ("skinny_gemm.cu.j2", "skinny_gemm_pw.cu.j2")  # the register/x_smem path; producer tiles
+
+
 def gemm_source_hash() -> str:
     """Hash of what every GEMM kernel is rendered and built from besides its manifest entry: the
-    template and the header closure it includes (the wgmma header too: skinny_gemm.cuh includes it)."""
+    templates and the header closure they include (the wgmma header too: skinny_gemm.cuh includes
+    it; the producer header and mbarrier.cuh through skinny_gemm_pw.cu.j2)."""
     root = Path(str(resources.files("dflashgen.templates")))
-    template = (root / "skinny_gemm.cu.j2").read_text()
-    return hashlib.sha256((template + header_hash(template)).encode()).hexdigest()
+    h = hashlib.sha256()
+    for name in GEMM_TEMPLATES:
+        template = (root / name).read_text()
+        h.update((template + header_hash(template)).encode())
+    return h.hexdigest()
 
 
 def _template_files() -> list[str]:

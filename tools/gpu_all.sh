@@ -13,7 +13,8 @@
 #                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
-#                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names
+#                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
+#                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -53,6 +54,11 @@ C)
     timeout 240 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
     tail -3 "$R/pytest-gpu.log"  # the bench runs either way (its numbers come with this log)
     pack  # what is done so far comes back even if the call runs out of time
+  fi
+  if [ -n "${ATTN:-}" ]; then  # ATTN="attn-bench args" (ATTN=all: its defaults)
+    mkdir -p "$R/attn"; [ "$ATTN" = all ] && ATTN=""
+    echo "== attn-bench $ATTN"; timeout 200 dflashgen attn-bench --out "$R/attn" $ATTN 2>&1 | tail -30
+    pack
   fi
   mkdir -p "$R/decode"
   echo "== decode-bench full size"

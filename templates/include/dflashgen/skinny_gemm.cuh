@@ -573,6 +573,30 @@ struct SkinnyGemm {
   }
   __device__ __forceinline__ static constexpr int acc_index(int i, int j, int e) { return (i * NT8 + j) * T::NACC + e; }
 
+  // x_smem B fragments: this lane's chunk offsets in a stage, row (8j + b_mrow) of sub-block p; and
+  // one stage's MMAs for the decoded weights `frag`, B fragments (p, j) in order, each loaded one
+  // ahead of the MMAs of the previous one (the order the plan's anchor sums in).
+  // (KS = T::KSUB: a template parameter, as sm_70's trait has no KSUB and the class declares these anyway)
+  template <int KS>
+  __device__ __forceinline__ static void xs_lane_offsets(int (&xoff)[KS]) {
+#pragma unroll
+    for (int p = 0; p < KS; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
+  }
+  template <int KS>
+  __device__ __forceinline__ static void mma_xs_stage(const typename T::Frag (&frag)[Cfg::WARP_NT],
+                                                      const uint4* st, const int (&xoff)[KS],
+                                                      float (&acc)[Cfg::WARP_NT][NT8][T::NACC]) {
+    uint4 xv = lds128(st + xoff[0]);
+#pragma unroll
+    for (int q = 0; q < KS * NT8; ++q) {
+      const int p = q / NT8, j = q % NT8;
+      const uint4 cur = xv;
+      if (q + 1 < KS * NT8) xv = lds128(st + xoff[(q + 1) / NT8] + 8 * ((q + 1) % NT8) * T::XCPR);
+#pragma unroll
+      for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
+    }
+  }
+
   // Column scale (and SiLU(gate) * up for the fused variant) of the CTA's final FP32 sums, FP16 out.
   __device__ static void epilogue(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int tile0, int m0, int M,
                                   const float* __restrict__ col_scale, __half* __restrict__ out) {
@@ -668,10 +692,8 @@ struct SkinnyGemm {
     if constexpr (SERIAL) steps = G;
     // SERIAL: the worker whose range the walk is in, and the group its range ends before
     [[maybe_unused]] int wcur = 0, wend = G / WORKERS;
-    // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
     int xoff[T::KSUB];
-#pragma unroll
-    for (int p = 0; p < T::KSUB; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
+    xs_lane_offsets(xoff);
 
 #pragma unroll
     for (int s = 0; s < XST - 1; ++s) copy(s, s * T::KG, s < groups);
@@ -689,17 +711,7 @@ struct SkinnyGemm {
       // W_ASYNC: group a's weight words landed with commit groups older than the wait above (a
       // refill joins the commit group of the next step's activation copy, STAGES >= 3 groups ahead)
       decode_refill(u, wp, sp, wbuf, sbuf, frag, smem, warp, lane);
-      // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
-      const uint4* st = ring[u % XST];
-      uint4 xv = lds128(st + xoff[0]);
-#pragma unroll
-      for (int q = 0; q < T::KSUB * NT8; ++q) {
-        const int p = q / NT8, j = q % NT8;
-        const uint4 cur = xv;
-        if (q + 1 < T::KSUB * NT8) xv = lds128(st + xoff[(q + 1) / NT8] + 8 * ((q + 1) % NT8) * T::XCPR);
-#pragma unroll
-        for (int i = 0; i < Cfg::WARP_NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
-      }
+      mma_xs_stage(frag, ring[u % XST], xoff, acc);
       if constexpr (SERIAL) {
         if (a + 1 == wend) {  // worker wcur's last group: fold its sums, start the next from 0
           fold_worker(acc, wcur, wn, lane, smem);

@@ -124,10 +124,8 @@ struct SkinnyGemmPw {
                                  char* smem, unsigned sb, int wn, int lane) {
     float acc[NT][NT8][T::NACC];
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
-    // This lane's B fragment rows: row (8j + b_mrow) of the stage, its chunk of sub-block p.
     int xoff[T::KSUB];
-#pragma unroll
-    for (int p = 0; p < T::KSUB; ++p) xoff[p] = T::b_mrow() * T::XCPR + T::xs_lane_chunk(p);
+    Base::xs_lane_offsets(xoff);
     // The running sums as Base::fold_worker addresses them (smem.x.tot / .spl [warp][element][lane])
     auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
     int v = 0, vend = G / WORKERS;  // the worker whose range the walk is in, and where that range ends
@@ -144,17 +142,7 @@ struct SkinnyGemmPw {
         if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + (wn * NT + i) * 64)[T::scale_index()];
         T::decode(wv, sc, frag[i]);
       }
-      // B fragments (p, j) in order, each loaded one ahead of the MMAs of the previous one
-      const uint4* xs = reinterpret_cast<const uint4*>(st + X_OFF);
-      uint4 xv = lds128(xs + xoff[0]);
-#pragma unroll
-      for (int q = 0; q < T::KSUB * NT8; ++q) {
-        const int p = q / NT8, j = q % NT8;
-        const uint4 cur = xv;
-        if (q + 1 < T::KSUB * NT8) xv = lds128(xs + xoff[(q + 1) / NT8] + 8 * ((q + 1) % NT8) * T::XCPR);
-#pragma unroll
-        for (int i = 0; i < NT; ++i) T::mma_sub(frag[i], cur, p, acc[i][j]);
-      }
+      Base::mma_xs_stage(frag, reinterpret_cast<const uint4*>(st + X_OFF), xoff, acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(sb, s));  // the MMAs consumed every read of the stage
       if (a + 1 == vend) {  // worker v's last group: fold its sums in the plan's order
