@@ -53,12 +53,13 @@ def render_kernel(spec: KernelSpec) -> str:
     template = "skinny_gemm_pw.cu.j2" if spec.tile.producer else "skinny_gemm.cu.j2"
     return _env().get_template(template).render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
-        mma=WGMMA_NAME if spec.kplan.wgmma else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,
+        mma=WGMMA_NAME if spec.kplan.wgmma or spec.tile.wgc else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,
         fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
         n_out=spec.n_out, split_k=spec.kplan.split_k, warps_k=spec.kplan.warps_k, kg=spec.kplan.k_group,
         rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
         x_ahead=spec.tile.x_ahead, x_smem=spec.tile.x_smem, wsplit=spec.tile.wsplit, ctas_k=spec.ctas_k,
         w_async=spec.tile.w_async, l2_ahead=spec.tile.l2_ahead, serial=spec.tile.serial,
+        producer=spec.tile.producer, wgc=spec.tile.wgc, pw_min_blocks=max(1, spec.launch_min_blocks),
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",
         epilogue_enum="SiluMul" if spec.silu else "Store", threads=spec.threads,

@@ -99,10 +99,13 @@ class Tile:
     # each worker's sums into running sums in shared memory in the plan's order (names `_sw1`;
     # skinny_gemm.cuh SERIAL): the plan's bits, no partials, grid z = 1
     serial: int = 0
-    # 1: a serial tile whose copies all come from one extra producer warp, `stages` K groups ahead, into a
-    # shared-memory ring the warps_n consumer warps read (names `_pw1`; skinny_gemm_pw.cuh): the
+    # p > 0: a serial tile whose copies all come from p extra producer warps, `stages` K groups ahead, into
+    # a shared-memory ring the warps_n consumer warps read (names `_pw<p>`; skinny_gemm_pw.cuh): the
     # consumers only wait on mbarriers, decode and issue MMAs
     producer: int = 0
+    # 1: a producer tile whose consumers are warpgroups issuing wgmma (A: the decoded fragments, B: the
+    # stage's activations in the wgmma layout; names `_wc1`; sm_90a) in the mma.sync plan's K order
+    wgc: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class KernelSpec:
     @property
     def target(self) -> str:
         """The ptxas target: sm_90a for wgmma kernels (arch-specific features), else sm_<arch>."""
-        return f"{self.arch}a" if self.kplan.wgmma else str(self.arch)
+        return f"{self.arch}a" if self.kplan.wgmma or self.tile.wgc else str(self.arch)
 
     @property
     def epilogue(self) -> str:
@@ -175,7 +178,8 @@ class KernelSpec:
                 f"_sk{kp.split_k}_wk{kp.warps_k}_kg{kp.k_group}{'_wg1' if kp.wgmma else ''}"
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
-                f"{'_sw1' if t.serial else ''}{'_pw1' if t.producer else ''}_mb{t.min_blocks}")
+                f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
+                f"_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -227,6 +231,8 @@ class KernelSpec:
         # the weight ring: 4 + 1 registers per stage and warp tile (w_async: in shared memory)
         pipeline = (1 if self.tile.w_async else self.tile.stages) * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
+        if self.tile.wgc:  # two A fragment buffers, the stage descriptors, barrier and fold addresses
+            return acc + 2 * a_frag + 40
         if self.kplan.wgmma:  # A fragments (x2: generous), descriptors; no activation registers
             chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
             return acc + 2 * a_frag + pipeline + 3 * chunks + 40
@@ -253,6 +259,8 @@ class KernelSpec:
             del tile["serial"]
         if not self.tile.producer:
             del tile["producer"]
+        if not self.tile.wgc:
+            del tile["wgc"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -264,7 +272,7 @@ class KernelSpec:
             d["ctas_k"] = self.ctas_k  # grid z and partial slots (the runtime's split count)
         if self.smem_dynamic:
             d["smem_dynamic"] = True
-        if self.kplan.wgmma:
+        if self.kplan.wgmma or self.tile.wgc:
             d["target"] = self.target
         return d
 
@@ -429,7 +437,9 @@ def illegal_reason(spec: KernelSpec) -> str | None:
             return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
         key = _shape_list(t)
-        listed = [s for s in space.tiles.get(key, []) if s[:4] == shape]
+        listed = [s for s in space.tiles.get(key, []) if s[:4] == shape and (not t.wgc or s[4] == t.producer)]
+        if t.wgc:
+            listed = [s[:4] for s in listed]  # the fifth field is the producer warps, not a thread cap
         if t.x_ahead or not listed:
             return (f"x_smem only with x_ahead=0 and (rows, warp_nt, warps_n, stages) {shape} in the "
                     f"space's {key} {[s[:4] for s in space.tiles.get(key, [])]}")
@@ -472,6 +482,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return "serial tiles are mma.sync x_smem tiles of plans with >= 2 K workers (one CTA walks them all)"
     if t.producer and (not t.serial or t.w_async or spec.arch < 90):
         return "producer tiles are serial x_smem tiles without w_async, on sm_90 (mbarrier waits)"
+    if t.wgc and (not t.producer or t.warp_nt != 1 or t.warps_n % 4 or t.rows not in (16, 32, 64)):
+        return "wgc tiles are producer tiles of whole warpgroups (warps_n % 4 == 0, warp_nt 1), rows 16 / 32 / 64"
+    if t.producer > 1 and not t.wgc:
+        return "mma.sync producer tiles have one producer warp"
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
     if spec.threads > space.limits["max_threads"]:
@@ -498,6 +512,8 @@ def _shape_list(t: Tile) -> str:
     """The space's list an x_smem tile's shape must be in: wsplit_tiles, serial_tiles (w_async:
     w_async_serial_tiles) or x_smem_tiles."""
     if t.serial:
+        if t.wgc:
+            return "wgmma_producer_tiles"
         return "producer_tiles" if t.producer else "w_async_serial_tiles" if t.w_async else "serial_tiles"
     return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
 
@@ -614,10 +630,14 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     # serial shapes (one CTA walks all of the plan's K workers): x_smem tiles from their own list
     # (and with their weight ring in shared memory, deeper: w_async_serial_tiles)
     # (and fed by a producer warp: producer_tiles, stages = its ring's K groups)
-    for key, wa, pw in (("serial_tiles", 0, 0), ("w_async_serial_tiles", 1, 0), ("producer_tiles", 0, 1)):
-        for rows, warp_nt, warps_n, stages, *_ in space.tiles.get(key, []):
-            c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1,
-                                                           serial=1, w_async=wa, producer=pw), serves)
+    # (and with wgmma consumer warpgroups: wgmma_producer_tiles, [rows, 1, warps_n, stages, producer warps])
+    for key, wa, pw in (("serial_tiles", 0, 0), ("w_async_serial_tiles", 1, 0), ("producer_tiles", 0, 1),
+                        ("wgmma_producer_tiles", 0, 1)):
+        for rows, warp_nt, warps_n, stages, *extra in space.tiles.get(key, []):
+            wgc = int(key == "wgmma_producer_tiles")
+            tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa,
+                        producer=extra[0] if wgc else pw, wgc=wgc)
+            c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
             if illegal_reason(c) is None and c not in out:
                 out.append(c)
     return out

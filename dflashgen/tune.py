@@ -62,7 +62,8 @@ def spec_of(entry: dict[str, Any]) -> KernelSpec:
     tile = Tile(rows=t["rows"], warp_nt=t["warp_nt"], warps_n=t.get("warps_n", 2), stages=t.get("stages", 3),
                 min_blocks=t.get("min_blocks", 1), x_ahead=t.get("x_ahead", 1), x_smem=t.get("x_smem", 0),
                 wsplit=t.get("wsplit", 0), w_async=t.get("w_async", 0),
-                l2_ahead=t.get("l2_ahead", 0), serial=t.get("serial", 0), producer=t.get("producer", 0))
+                l2_ahead=t.get("l2_ahead", 0), serial=t.get("serial", 0), producer=t.get("producer", 0),
+                wgc=t.get("wgc", 0))
     threads = entry.get("threads", 32 * tile.warps_n * kp.get("warps_k", 1))
     plan = KPlan(split_k=kp.get("split_k", 1), warps_k=kp.get("warps_k", threads // (32 * tile.warps_n)),
                  k_group=kp.get("k_group", lay.k_group), wgmma=kp.get("wgmma", 0))
@@ -84,12 +85,14 @@ def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.
     the model's L1TEX / L2 traffic terms, which are calibrated on one ncu point, so they neither
     crowd out the register-path tiles nor get dropped against those tiles' leaner model. Serial
     tiles (one CTA walks all K workers: few warps, modelled latency-bound) likewise among themselves, and
-    the producer tiles among themselves (the model does not see their producer warp)."""
+    the producer tiles among themselves (the model does not see their producer warp), those with
+    wgmma consumers apart again."""
     by_plan: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for e in entries:
-        t = e["tile"]  # groups: register path 0, x_smem 1, serial 2, producer 4
-        by_plan[(json.dumps(e["kplan"], sort_keys=True),
-                 int(t.get("x_smem", 0)) + int(t.get("serial", 0)) + 2 * int(t.get("producer", 0)))].append(e)
+        t = e["tile"]  # groups: register path 0, x_smem 1, serial 2, producer 4, wgmma producer 8
+        group = (int(t.get("x_smem", 0)) + int(t.get("serial", 0)) + 2 * min(1, int(t.get("producer", 0)))
+                 + 4 * int(t.get("wgc", 0)))
+        by_plan[(json.dumps(e["kplan"], sort_keys=True), group)].append(e)
     out = []
     for plan in sorted(by_plan):
         # ties (rows that all cover M) go to the smallest tile: least padded work

@@ -204,7 +204,7 @@ def test_wgmma_plans_and_tiles() -> None:
             assert ctas >= load_space(90).wgmma["min_ctas"] or plans[0].split_k == load_space(90).wgmma["max_split_k"] \
                 or k // plans[0].k_group // (plans[0].split_k * 2 * plans[0].warps_k) < 4
     # mma.sync entries keep their form (no wgmma key, no target)
-    sync = [c for c in candidates(90, "nvfp4", 34816, 5120) if not c.kplan.wgmma]
+    sync = [c for c in candidates(90, "nvfp4", 34816, 5120) if not c.kplan.wgmma and not c.tile.wgc]
     assert sync and all("wgmma" not in c.to_dict()["kplan"] and "target" not in c.to_dict() for c in sync)
     assert all("_wg" not in c.name for c in sync)
     # only sm_90; not for tiny N
@@ -408,13 +408,14 @@ def test_serial_tiles_walk_every_k_worker_in_one_cta() -> None:
     listed = {tuple(x) for x in space.tiles["serial_tiles"]}
     for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 3584, 5120), ("nvfp4", 5120, 17408)):
         cands = candidates(90, fmt, n, k)
-        ser = [c for c in cands if c.tile.serial]
+        ser = [c for c in cands if c.tile.serial and not c.tile.producer]
         assert ser and all("_sw1_" in c.name and c.tile.x_smem and not c.tile.wsplit for c in ser)
         wa_listed = {tuple(x) for x in space.tiles["w_async_serial_tiles"]}
         shape = {c: (c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) for c in ser}
         assert all(shape[c] in (wa_listed if c.tile.w_async else listed) for c in ser)
         assert any(c.tile.w_async for c in ser) and all("_xs1_wa1_sw1_" in c.name for c in ser if c.tile.w_async)
         assert {c.kplan for c in ser} == {c.kplan for c in cands if not c.tile.serial and not c.kplan.wgmma}
+        assert all(c.tile.producer or c in ser for c in cands if c.tile.serial)
         for c in ser:
             assert c.ctas_k == 1 and c.grid(64)[2] == 1 and c.workspace_floats(64) == 0
             assert c.threads == 32 * c.tile.warps_n and c.launch_min_blocks == 1
@@ -455,7 +456,7 @@ def test_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_
     assert not any(c.tile.producer for a in (70, 80) for c in candidates(a, "nvfp4", 14336, 5120))
     for fmt, n, k in (("nvfp4", 14336, 5120), ("fp8_channel", 5120, 17408)):
         cands = candidates(90, fmt, n, k)
-        pw = [c for c in cands if c.tile.producer]
+        pw = [c for c in cands if c.tile.producer and not c.tile.wgc]
         assert {c.kplan for c in pw} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
         assert {(c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages) for c in pw} == shapes
         for c in pw:
@@ -470,7 +471,8 @@ def test_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_
     full = gemm_source_hash()
     monkeypatch.setattr(render, "GEMM_TEMPLATES", tuple(t for t in GEMM_TEMPLATES if t != "skinny_gemm_pw.cu.j2"))
     assert gemm_source_hash() != full
-    base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.producer and c.kplan.split_k > 1)
+    base = next(c for c in candidates(90, "nvfp4", 5120, 17408)
+                if c.tile.producer and not c.tile.wgc and c.kplan.split_k > 1)
     for bad in (dict(serial=0), dict(w_async=1)):
         assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
     src = render_kernel(base)
@@ -481,3 +483,51 @@ def test_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_
     nvrtc_compile(cu, tmp_path / f"{base.name}.ptx", 90)
     ptx = (tmp_path / f"{base.name}.ptx").read_text()
     assert "cp.async.mbarrier.arrive.noinc" in ptx and "mbarrier.try_wait.parity" in ptx and "mma.sync" in ptx
+
+
+def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """wgmma_producer_tiles (names `_pw<P>_wc1`; skinny_gemm_pw.cuh WGC): producer tiles whose consumers
+    are warpgroups issuing wgmma.m64nROWSk16 (A: the decoded fragments, B: the stage's activations in
+    the wgmma layout) in the mma.sync plan's K order -- no K plan of their own, so `dflashgen verify`
+    holds them to that plan's anchor bitwise -- fed by P producer warps, built for sm_90a. Every
+    listed shape appears on every mma.sync K plan of a large problem; sm_70 / sm_80 have none; NVRTC
+    compiles one (a split-K plan: the fold of the finished splits) for compute_90a."""
+    from dflashgen.render import render_kernel
+    from dflashgen.toolchain import nvrtc_compile
+    from dflashgen.tune import spec_of
+
+    import dflashgen.schedule as sched
+
+    space = load_space(90)  # the space's list, or (off, as committed since session 15) two shapes switched on here
+    shapes = {tuple(t) for t in space.tiles["wgmma_producer_tiles"]} or {(64, 1, 4, 4, 2), (32, 1, 4, 6, 1)}
+    on = replace(space, tiles={**space.tiles, "wgmma_producer_tiles": sorted(shapes)})
+    monkeypatch.setattr(sched, "load_space", lambda arch: on if arch == 90 else load_space(arch))
+    assert not any(c.tile.wgc for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
+    for fmt, n, k in (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408)):
+        cands = candidates(90, fmt, n, k)
+        wc = [c for c in cands if c.tile.wgc]
+        assert {c.kplan for c in wc} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
+        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer) for c in wc} == shapes
+        for c in wc:
+            assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_" in c.name
+            assert c.threads == 32 * (c.tile.warps_n + c.tile.producer) and c.target == "90a"
+            assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
+            tiles = c.tile.warps_n
+            stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0) + c.tile.rows * c.kplan.k_group * 2
+            fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * (1 + (c.kplan.split_k > 1))
+            assert c.smem_bytes() == c.tile.stages * (stage + 16) + fold
+            d = c.to_dict()
+            assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c
+    base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.wgc and c.kplan.split_k > 1)
+    for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8)):
+        assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
+    assert "wgmma_producer_tiles" in illegal_reason(replace(base, tile=replace(base.tile, stages=base.tile.stages + 1)))
+    src = render_kernel(base)
+    assert "#define DFLASHGEN_WGMMA 1" in src and "static constexpr bool WGC = true;" in src
+    assert f"__launch_bounds__({base.threads}, 1)" in src and f"Gemm::SMEM <= {base.smem_bytes()}" in src
+    cu = tmp_path / f"{base.name}.cu"
+    cu.write_text(src)
+    nvrtc_compile(cu, tmp_path / f"{base.name}.ptx", "90a")
+    ptx = (tmp_path / f"{base.name}.ptx").read_text()
+    assert "wgmma.mma_async" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx and "fence.proxy.async" in ptx
+    assert "mma.sync" not in ptx

@@ -14,12 +14,39 @@
 // workers' ranges in order, each worker's groups ascending with the x_smem loop's MMA order, and
 // folds each worker's sums where its range ends -- per split in warp order, then the splits from
 // 0.0f -- so every row equals the plan's anchor bit for bit (dflashgen verify checks it).
+//
+// WGC tiles (names `_wc1`, sm_90a): the consumers are warpgroups (4 warps, one 16-row weight tile
+// each) that decode into the wgmma A fragments and issue wgmma.m64nROWSk16 with B from the stage,
+// asynchronously: group a's MMAs run while the warps decode group a + 1, which removes the mma.sync
+// consumers' dependent LDS -> decode -> HMMA chain (session 14's limit). The stage's activations
+// are in the wgmma B layout (WgmmaBLayout: 4-byte words placed by the prepack's K permutation, so
+// every k-step sums the same products as the mma.sync path's), copied by PRODUCERS warps. Bits: on
+// the H200 wgmma and mma.sync plans of the same K order agree bit for bit (the verify twins), and
+// dflashgen verify holds every WGC tile to its plan's anchor.
 #pragma once
 
 #include "mbarrier.cuh"
 #include "skinny_gemm.cuh"
 
 namespace dflashgen {
+
+// Optional Cfg members of a producer tile: WGC (wgmma consumers), PRODUCERS (copy warps; default 1).
+template <class C, class = void>
+struct CfgWgc {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWgc<C, void_t<decltype(C::WGC)>> {
+  static constexpr bool value = C::WGC;
+};
+template <class C, class = void>
+struct CfgProducers {
+  static constexpr int value = 1;
+};
+template <class C>
+struct CfgProducers<C, void_t<decltype(C::PRODUCERS)>> {
+  static constexpr int value = C::PRODUCERS;
+};
 
 template <class Cfg>
 struct SkinnyGemmPw {
@@ -29,7 +56,12 @@ struct SkinnyGemmPw {
   static constexpr int WN = Cfg::WARPS_N, NT = Cfg::WARP_NT, NT8 = Base::NT8, ACC = Base::ACC;
   static constexpr int ST = Cfg::STAGES, G = Base::G, WORKERS = Base::WORKERS, TILES = Base::TILES;
   static constexpr bool NVFP4 = Base::NVFP4;
-  static constexpr int THREADS = 32 * WN + 32;  // the consumers, then the producer warp
+  static constexpr bool WGC = CfgWgc<Cfg>::value;
+  static constexpr int PW = CfgProducers<Cfg>::value;  // producer warps
+  static constexpr int THREADS = 32 * WN + 32 * PW;    // the consumers, then the producer warps
+  static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
+                "WGC: whole warpgroups of warp_nt = 1 warps, wgmma N = rows in {16, 32, 64}");
+  static_assert(WGC || PW == 1, "mma.sync producer tiles have one producer warp");
   static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
                 "a producer tile is a serial x_smem tile: one CTA walks every K worker");
   static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
@@ -72,8 +104,8 @@ struct SkinnyGemmPw {
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
       for (int s = 0; s < ST; ++s) {
-        mbar_init(full(sb, s), 32);
-        mbar_init(empty(sb, s), WN);
+        mbar_init(full(sb, s), 32 * PW);  // every producer lane
+        mbar_init(empty(sb, s), WGC ? 32 * WN : WN);  // WGC: every consumer lane
       }
       mbar_init_fence();
     }
@@ -81,10 +113,16 @@ struct SkinnyGemmPw {
     // Activations, outputs (and under programmatic dependent launch the previous kernel's writes):
     // only after the wait. The weights could go earlier; the ring's depth hides the first stages.
     pdl_wait();
-    if (warp == WN) {
-      produce(x, M, m0, wq, wscale, smem, sb, lane);
+    if (warp >= WN) {
+      produce(x, M, m0, wq, wscale, smem, sb, warp - WN, lane);
       return;
     }
+#ifdef DFLASHGEN_WGMMA
+    if constexpr (WGC) {
+      consume_wg(M, m0, col_scale, out, smem, sb, warp, lane);
+      return;
+    }
+#endif
     consume(M, m0, col_scale, out, smem, sb, warp, lane);
   }
 
@@ -92,7 +130,7 @@ struct SkinnyGemmPw {
   // slot's previous group (a - ST). Warp tiles past N copy the last tile's words (in bounds, never stored);
   // activation rows at or past M are not copied (their B columns feed outputs that are never stored).
   __device__ static void produce(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
-                                 const void* __restrict__ wscale, char* smem, unsigned sb, int lane) {
+                                 const void* __restrict__ wscale, char* smem, unsigned sb, int pw, int lane) {
     const char* wsc = static_cast<const char*>(wscale);
     const int tile0 = blockIdx.y * WN * NT;
     for (int a = 0; a < G; ++a) {
@@ -100,7 +138,8 @@ struct SkinnyGemmPw {
       if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
       char* st = smem + s * STAGE;
 #pragma unroll
-      for (int w = 0; w < WN; ++w)
+      for (int w = 0; w < WN; ++w) {
+        if (PW > 1 && w % PW != pw) continue;  // warp tiles dealt round-robin to the producer warps
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
           const int t = min(tile0 + w * NT + i, TILES - 1);
@@ -109,6 +148,14 @@ struct SkinnyGemmPw {
           if constexpr (NVFP4)
             if (lane < 4) cp_async16(st + S_OFF + (w * NT + i) * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
         }
+      }
+#ifdef DFLASHGEN_WGMMA
+      if constexpr (WGC) {
+        copy_x_wg(x, M, m0, a, sb + s * STAGE + X_OFF, pw, lane);
+        mbar_arrive_cp_async(full(sb, s));
+        continue;
+      }
+#endif
 #pragma unroll
       for (int c = lane; c < XCHUNKS; c += 32) {
         const int r = c / T::XCPR, cc = c % T::XCPR;
@@ -157,6 +204,113 @@ struct SkinnyGemmPw {
     const int tile0 = (blockIdx.y * WN + wn) * NT;
     if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
   }
+
+#ifdef DFLASHGEN_WGMMA
+  // WGC: group a's activation rows into the stage at shared address `xs`, in the wgmma B layout
+  // (WgmmaBLayout<ROWS>): each 16-byte source chunk (batch row n, physical K 32p + 8t .. + 7) is four
+  // 4-byte copies, word w to k-step 2p + (w >> 1), K half w & 1, pair t (the prepack's permutation).
+  // Lane: t = lane % 4, row r = lane / 4 of each 8-row block; producer warp pw takes the 8-row blocks
+  // nb = pw, pw + PW, ... Rows at or past M are not copied (their B columns feed outputs never stored).
+  using L = WgmmaBLayout<Cfg::ROWS>;
+  __device__ static void copy_x_wg(const __half* __restrict__ x, int M, int m0, int a, unsigned xs, int pw,
+                                   int lane) {
+    static_assert(STAGE % 16 == 0 && X_OFF % 16 == 0 && XCHUNKS * 16 == T::KG / 16 * L::KSTEP, "stage layout");
+    const int t = lane & 3, r = lane >> 2;
+    const int xrows = M - m0 - r;  // this lane copies row 8 nb + r while 8 nb < xrows
+    const __half* src = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(a) * T::KG + 8 * t;
+    const unsigned dst = xs + L::offset(0, r, 0, t);
+    static_for<Cfg::ROWS / 8>([&](auto nb_c) {
+      constexpr int nb = decltype(nb_c)::value;
+      if (nb % PW == pw && 8 * nb < xrows) {
+        static_for<T::KSUB>([&](auto p_c) {
+          constexpr int p = decltype(p_c)::value;
+          cp_async4x4<L::LBO, L::KSTEP, 2 * (nb * 8 * Cfg::K + 32 * p), L::offset(2 * p, 8 * nb, 0, 0)>(dst, src);
+        });
+      }
+    });
+  }
+
+  // WGC consumer warp `wn` (warpgroup wn / 4; the CTA's 16-row weight tile wn). Worker by worker
+  // (the plan's order), per group a of its range: its wgmmas (KG / 16 k-steps, ascending) on
+  // frag[a % 2], commit; retire group a - 1 (wait_group 1) and release its stage; then wait for
+  // group a + 1's stage and decode it into the other fragment buffer while group a runs. At the
+  // range's end everything retires and the worker's sums fold in the plan's order
+  // (Base::fold_worker), as in consume. Control flow around the wgmmas is warp-uniform by
+  // construction (every lane arrives on `empty`; no per-group branch on the fold), else ptxas
+  // serializes them (C7518).
+  __device__ static void consume_wg(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
+                                    char* smem, unsigned sb, int wn, int lane) {
+    constexpr int KSTEPS = T::KG / 16;
+    float acc[1][NT8][T::NACC];
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
+    auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
+    const uint64_t desc0 = L::desc_base() + (((sb + X_OFF) >> 4) & 0x3FFF);
+    typename T::Frag frag[2];
+    auto load = [&](const int a, typename T::Frag& f) {
+      const int s = a % ST;
+      mbar_wait(full(sb, s), (a / ST) & 1);
+      // the stage's cp.async writes (generic proxy), acquired through the barrier, ordered before
+      // this thread's wgmmas read it through the async proxy
+      fence_proxy_async_smem();
+      const char* st = smem + s * STAGE;
+      const uint4 wv = lds128(reinterpret_cast<const uint4*>(st + W_OFF) + wn * 32 + lane);
+      Scale sc = 0;
+      if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + wn * 64)[T::scale_index()];
+      T::decode(wv, sc, f);
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) cute::warpgroup_fence_operand(f.a[ks][q]);
+    };
+    auto fence_acc = [&]() {
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int e = 0; e < T::NACC; ++e) cute::warpgroup_fence_operand(acc[0][j][e]);
+    };
+    // group a's MMAs on frag[CUR]; then group a - 1 is retired (LAST: everything is) and its stage
+    // released (each group's stage is released one step later, by every consumer lane)
+    auto step = [&](auto cur_c, auto last_c, const int a) {
+      constexpr int cur = decltype(cur_c)::value;
+      constexpr bool last = decltype(last_c)::value;
+      const unsigned xs = static_cast<unsigned>((a % ST) * STAGE);
+      fence_acc();
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+        wgmma_rs<Cfg::ROWS>(frag[cur].a[ks], desc0 + ((xs + ks * L::KSTEP) >> 4), acc[0]);
+      cute::warpgroup_commit_batch();
+      if constexpr (last) cute::warpgroup_wait<0>();
+      else cute::warpgroup_wait<1>();
+      fence_acc();
+      if (a > 0) mbar_arrive(empty(sb, (a - 1) % ST));
+      if constexpr (!last) load(a + 1, frag[cur ^ 1]);
+    };
+#pragma unroll 1
+    for (int v = 0; v < WORKERS; ++v) {
+      const int gb = v * G / WORKERS, ge = (v + 1) * G / WORKERS;  // >= 2 groups (schedule)
+      load(gb, frag[0]);
+      int a = gb;
+#pragma unroll 1
+      for (; a + 2 < ge; a += 2) {
+        step(IntC<0>{}, IntC<false>{}, a);
+        step(IntC<1>{}, IntC<false>{}, a + 1);
+      }
+      if (a + 1 < ge) {
+        step(IntC<0>{}, IntC<false>{}, a);
+        step(IntC<1>{}, IntC<true>{}, a + 1);
+      } else {
+        step(IntC<0>{}, IntC<true>{}, a);
+      }
+      Base::fold_worker(acc, v, wn, lane, fold);
+    }
+    pdl_launch_dependents();
+    const float(&sums)[WN][ACC][32] = fold.x.sums();
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
+    const int tile0 = blockIdx.y * WN + wn;
+    if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
+  }
+#endif  // DFLASHGEN_WGMMA
 };
 
 }  // namespace dflashgen
