@@ -492,11 +492,10 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     holds them to that plan's anchor bitwise -- fed by P producer warps, built for sm_90a. Every
     listed shape appears on every mma.sync K plan of a large problem; sm_70 / sm_80 have none; NVRTC
     compiles one (a split-K plan: the fold of the finished splits) for compute_90a."""
+    import dflashgen.schedule as sched
     from dflashgen.render import render_kernel
     from dflashgen.toolchain import nvrtc_compile
     from dflashgen.tune import spec_of
-
-    import dflashgen.schedule as sched
 
     space = load_space(90)  # the space's list, or (off, as committed since session 15) two shapes switched on here
     shapes = {tuple(t) for t in space.tiles["wgmma_producer_tiles"]} or {(64, 1, 4, 4, 2), (32, 1, 4, 6, 1)}
