@@ -450,7 +450,7 @@ def illegal_reason(spec: KernelSpec) -> str | None:
                     f"only up to {listed[0][4]} threads")
         if len(listed[0]) > 5 and spec.threads < listed[0][5]:
             return f"x_smem tile {shape} with {spec.threads} threads: listed for >= {listed[0][5]} threads only"
-        if spec.threads > space.limits.get("x_smem_max_threads", 512):
+        if not t.wgc and spec.threads > space.limits.get("x_smem_max_threads", 512):  # wgc: no B fragments
             return (f"x_smem with {spec.threads} threads: (512, 1) launch bounds cap registers at 128 "
                     f"and FP8 tiles spill (nvcc 13); at most {space.limits.get('x_smem_max_threads')}")
     elif not t.x_ahead and (t.rows < space.limits["x_ahead_off_from_rows"] or t.warp_nt > 1):

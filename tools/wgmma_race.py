@@ -59,7 +59,9 @@ def main() -> None:
                     continue
                 kern = GemmKernel(e, images[e["name"]][0], max_m=max(args.ms), device=dev)
                 t = time_kernel(kern, packed, x, copies)
-                plan = json.dumps(e["kplan"], sort_keys=True)
+                # per K plan and MMA kind (wgmma K plans, mma.sync-plan tiles with wgmma consumers `_wc1`)
+                wg = bool(e["kplan"].get("wgmma")) or "_wc1" in e["name"]
+                plan = json.dumps({**e["kplan"], "wgmma": int(wg)}, sort_keys=True)
                 out.append({"problem": key, "m": m, "kernel": e["name"], "kplan": e["kplan"], "us": t.us,
                             "noise_us": t.noise_us})
                 if plan not in best or t.us < best[plan][0]:

@@ -31,7 +31,7 @@
 
 namespace dflashgen {
 
-// void_t for the optional Cfg flags (DFLASHGEN_CFG_FLAG below).
+// void_t for the optional Cfg members (DFLASHGEN_CFG_MEMBER below).
 template <class...>
 using void_t = void;
 __host__ __device__ constexpr int gcd_c(int a, int b) { return b == 0 ? a : gcd_c(b, a % b); }
@@ -99,24 +99,27 @@ __device__ __forceinline__ void prefetch_l2_line(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Optional tile flags: Cfg::FLAG where a kernel's Cfg declares it, false where it does not (only the
-// kernels of a wgmma K plan declare WGMMA, wsplit tiles WSPLIT, w_async tiles W_ASYNC, l2_ahead tiles
-// L2_AHEAD), so the sources of the other kernels never mention them.
-#define DFLASHGEN_CFG_FLAG(TRAIT, FLAG)        \
-  template <class C, class = void>             \
-  struct TRAIT {                               \
-    static constexpr bool value = false;       \
-  };                                           \
-  template <class C>                           \
-  struct TRAIT<C, void_t<decltype(C::FLAG)>> { \
-    static constexpr bool value = C::FLAG;     \
+// Optional Cfg members: Cfg::MEMBER where a kernel's Cfg declares it, DEFAULT where it does not (only
+// the kernels of a wgmma K plan declare WGMMA, wsplit tiles WSPLIT, w_async tiles W_ASYNC, l2_ahead
+// tiles L2_AHEAD; producer tiles WGC and PRODUCERS), so the sources of the other kernels never
+// mention them.
+#define DFLASHGEN_CFG_MEMBER(TRAIT, MEMBER, TYPE, DEFAULT) \
+  template <class C, class = void>                         \
+  struct TRAIT {                                           \
+    static constexpr TYPE value = DEFAULT;                 \
+  };                                                       \
+  template <class C>                                       \
+  struct TRAIT<C, void_t<decltype(C::MEMBER)>> {           \
+    static constexpr TYPE value = C::MEMBER;               \
   };
-DFLASHGEN_CFG_FLAG(CfgWgmma, WGMMA)
-DFLASHGEN_CFG_FLAG(CfgWsplit, WSPLIT)
-DFLASHGEN_CFG_FLAG(CfgWasync, W_ASYNC)
-DFLASHGEN_CFG_FLAG(CfgL2Ahead, L2_AHEAD)
-DFLASHGEN_CFG_FLAG(CfgSerial, SERIAL)
-#undef DFLASHGEN_CFG_FLAG
+DFLASHGEN_CFG_MEMBER(CfgWgmma, WGMMA, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgWsplit, WSPLIT, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgWasync, W_ASYNC, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgL2Ahead, L2_AHEAD, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgSerial, SERIAL, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgWgc, WGC, bool, false)           // producer tiles: wgmma consumer warpgroups
+DFLASHGEN_CFG_MEMBER(CfgProducers, PRODUCERS, int, 1)    // producer tiles: copy warps
+#undef DFLASHGEN_CFG_MEMBER
 
 template <class Cfg>
 struct SkinnyGemm {

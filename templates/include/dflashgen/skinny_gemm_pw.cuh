@@ -30,24 +30,6 @@
 
 namespace dflashgen {
 
-// Optional Cfg members of a producer tile: WGC (wgmma consumers), PRODUCERS (copy warps; default 1).
-template <class C, class = void>
-struct CfgWgc {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgWgc<C, void_t<decltype(C::WGC)>> {
-  static constexpr bool value = C::WGC;
-};
-template <class C, class = void>
-struct CfgProducers {
-  static constexpr int value = 1;
-};
-template <class C>
-struct CfgProducers<C, void_t<decltype(C::PRODUCERS)>> {
-  static constexpr int value = C::PRODUCERS;
-};
-
 template <class Cfg>
 struct SkinnyGemmPw {
   using Base = SkinnyGemm<Cfg>;  // the fragment shapes, accumulator walk and epilogue
@@ -104,7 +86,7 @@ struct SkinnyGemmPw {
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
       for (int s = 0; s < ST; ++s) {
-        mbar_init(full(sb, s), 32 * PW);  // every producer lane
+        mbar_init(full(sb, s), WGC ? 64 : 32 * PW);  // every lane of the group's producer(s); WGC: twice
         mbar_init(empty(sb, s), WGC ? 32 * WN : WN);  // WGC: every consumer lane
       }
       mbar_init_fence();
@@ -131,6 +113,12 @@ struct SkinnyGemmPw {
   // activation rows at or past M are not copied (their B columns feed outputs that are never stored).
   __device__ static void produce(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
                                  const void* __restrict__ wscale, char* smem, unsigned sb, int pw, int lane) {
+#ifdef DFLASHGEN_WGMMA
+    if constexpr (WGC) {
+      produce_wg(x, M, m0, wq, wscale, smem, sb, pw, lane);
+      return;
+    }
+#endif
     const char* wsc = static_cast<const char*>(wscale);
     const int tile0 = blockIdx.y * WN * NT;
     for (int a = 0; a < G; ++a) {
@@ -138,8 +126,7 @@ struct SkinnyGemmPw {
       if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
       char* st = smem + s * STAGE;
 #pragma unroll
-      for (int w = 0; w < WN; ++w) {
-        if (PW > 1 && w % PW != pw) continue;  // warp tiles dealt round-robin to the producer warps
+      for (int w = 0; w < WN; ++w)
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
           const int t = min(tile0 + w * NT + i, TILES - 1);
@@ -148,14 +135,6 @@ struct SkinnyGemmPw {
           if constexpr (NVFP4)
             if (lane < 4) cp_async16(st + S_OFF + (w * NT + i) * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
         }
-      }
-#ifdef DFLASHGEN_WGMMA
-      if constexpr (WGC) {
-        copy_x_wg(x, M, m0, a, sb + s * STAGE + X_OFF, pw, lane);
-        mbar_arrive_cp_async(full(sb, s));
-        continue;
-      }
-#endif
 #pragma unroll
       for (int c = lane; c < XCHUNKS; c += 32) {
         const int r = c / T::XCPR, cc = c % T::XCPR;
@@ -206,28 +185,65 @@ struct SkinnyGemmPw {
   }
 
 #ifdef DFLASHGEN_WGMMA
-  // WGC: group a's activation rows into the stage at shared address `xs`, in the wgmma B layout
-  // (WgmmaBLayout<ROWS>): each 16-byte source chunk (batch row n, physical K 32p + 8t .. + 7) is four
-  // 4-byte copies, word w to k-step 2p + (w >> 1), K half w & 1, pair t (the prepack's permutation).
-  // Lane: t = lane % 4, row r = lane / 4 of each 8-row block; producer warp pw takes the 8-row blocks
-  // nb = pw, pw + PW, ... Rows at or past M are not copied (their B columns feed outputs never stored).
   using L = WgmmaBLayout<Cfg::ROWS>;
-  __device__ static void copy_x_wg(const __half* __restrict__ x, int M, int m0, int a, unsigned xs, int pw,
-                                   int lane) {
+  template <int OFF>
+  __device__ __forceinline__ static void sts32(unsigned addr, unsigned v) {
+    asm volatile("st.shared.u32 [%0+%2], %1;" ::"r"(addr), "r"(v), "n"(OFF) : "memory");
+  }
+  // WGC producer warp pw takes whole K groups a = pw, pw + PW, ...: its lanes load the group's
+  // activation chunks (batch row n = 8 nb + lane / 4, physical K 32p + 8t .. + 7, t = lane % 4) with
+  // LDG.128 before waiting for the slot, copy the weights / scales with cp.async, store each chunk's
+  // four 4-byte words with STS.32 into the wgmma B layout (WgmmaBLayout: word w to k-step 2p + (w >> 1),
+  // K half w & 1 -- the prepack's K permutation; lane (n % 8, t) -> bank 4 (n % 8) + t: conflict-free),
+  // make them visible to the async proxy, and arrive: `full` counts the warp's 32 cp.async arrivals
+  // and 32 plain ones. Rows at or past M are neither loaded nor stored (their B columns feed outputs
+  // never stored). Why not 4-byte cp.async straight into the layout: each such warp copy touches 8
+  // rows, 8 L1 wavefronts per 128 B, and saturated L1TEX (session 15 ncu: 84%, 2x slower than this).
+  __device__ static void produce_wg(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
+                                    const void* __restrict__ wscale, char* smem, unsigned sb, int pw, int lane) {
     static_assert(STAGE % 16 == 0 && X_OFF % 16 == 0 && XCHUNKS * 16 == T::KG / 16 * L::KSTEP, "stage layout");
+    constexpr int NB = Cfg::ROWS / 8, KS = T::KSUB;
+    const char* wsc = static_cast<const char*>(wscale);
+    const int tile0 = blockIdx.y * WN;
     const int t = lane & 3, r = lane >> 2;
-    const int xrows = M - m0 - r;  // this lane copies row 8 nb + r while 8 nb < xrows
-    const __half* src = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(a) * T::KG + 8 * t;
-    const unsigned dst = xs + L::offset(0, r, 0, t);
-    static_for<Cfg::ROWS / 8>([&](auto nb_c) {
-      constexpr int nb = decltype(nb_c)::value;
-      if (nb % PW == pw && 8 * nb < xrows) {
-        static_for<T::KSUB>([&](auto p_c) {
-          constexpr int p = decltype(p_c)::value;
-          cp_async4x4<L::LBO, L::KSTEP, 2 * (nb * 8 * Cfg::K + 32 * p), L::offset(2 * p, 8 * nb, 0, 0)>(dst, src);
-        });
+    const int xrows = M - m0 - r;
+    const __half* src0 = x + static_cast<size_t>(m0 + r) * Cfg::K + 8 * t;
+#pragma unroll 1
+    for (int a = pw; a < G; a += PW) {
+      const int s = a % ST;
+      uint4 v[NB][KS];
+      const __half* src = src0 + static_cast<size_t>(a) * T::KG;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int p = 0; p < KS; ++p) ld_act_if(v[nb][p], src + nb * 8 * Cfg::K + 32 * p, 8 * nb < xrows);
+      if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
+      char* st = smem + s * STAGE;
+#pragma unroll
+      for (int w = 0; w < WN; ++w) {
+        const size_t tg = static_cast<size_t>(min(tile0 + w, TILES - 1)) * G + a;
+        cp_async16(st + W_OFF + (w * 32 + lane) * 16, wq + tg * 32 + lane);
+        if constexpr (NVFP4)
+          if (lane < 4) cp_async16(st + S_OFF + w * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
       }
-    });
+      mbar_arrive_cp_async(full(sb, s));
+      const unsigned xs = sb + s * STAGE + X_OFF + L::offset(0, r, 0, t);
+      static_for<NB>([&](auto nb_c) {
+        constexpr int nb = decltype(nb_c)::value;
+        if (8 * nb < xrows) {
+          static_for<KS>([&](auto p_c) {
+            constexpr int p = decltype(p_c)::value, o = L::offset(2 * p, 8 * nb, 0, 0);
+            sts32<o>(xs, v[nb][p].x);
+            sts32<o + L::LBO>(xs, v[nb][p].y);
+            sts32<o + L::KSTEP>(xs, v[nb][p].z);
+            sts32<o + L::KSTEP + L::LBO>(xs, v[nb][p].w);
+          });
+        }
+      });
+      fence_proxy_async_smem();
+      mbar_arrive(full(sb, s));
+    }
+    cp_async_wait<0>();
   }
 
   // WGC consumer warp `wn` (warpgroup wn / 4; the CTA's 16-row weight tile wn). Worker by worker
