@@ -178,9 +178,11 @@ def group_key(e: dict[str, Any]) -> str:
     return f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"
 
 
-def native_kernels(arch: int) -> tuple[dict[str, tuple[Path, str]], dict[str, list[dict[str, Any]]]]:
-    """This GPU's kernels: name -> (image, kind), and the manifest entries grouped by problem."""
-    arts = artifacts_for([arch], arch, None)
+def native_kernels(arch: int, only: str | None = None) -> tuple[dict[str, tuple[Path, str]],
+                                                                 dict[str, list[dict[str, Any]]]]:
+    """This GPU's kernels (those whose names match `only`, built if missing): name -> (image, kind), and
+    the manifest entries grouped by problem."""
+    arts = artifacts_for([arch], arch, only)
     images = {n: (path, kind) for n, (_, path, kind) in arts.items()}
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e, _, _ in arts.values():

@@ -5,7 +5,10 @@ FP16 on the dequantized weight as the reference peer. Prints, per problem and M,
 each K plan and its fraction of the read roofline. Not part of the shipped flow (`dflashgen tune`
 chooses plans); this shows the per-plan numbers tune does not keep.
 
-  python tools/wgmma_race.py [problem-substring ...] [--ms 8 16 32 64] [--json out.json]
+  python tools/wgmma_race.py [problem-substring ...] [--ms 8 16 32 64] [--json out.json] [--only REGEX]
+
+--only keeps, of each problem's kernels, those whose names match REGEX and those the committed table
+serves (built: the same set), the served ones first (each K plan's bitwise anchor is its first kernel).
 
 A problem substring matches keys like sm90/nvfp4/store/n34816/k5120 (default: NVFP4 and FP8
 gate_up, store and fused SiLU, at TP1).
@@ -15,9 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 DEFAULT = ["nvfp4/store/n34816/k5120", "nvfp4/silu/n34816/k5120", "fp8_channel/store/n34816/k5120"]
+
+
+def served_kernels(problem: str) -> set[str]:
+    """The kernels the committed H200 table serves for the problems whose keys contain `problem`."""
+    table = json.loads((Path(__file__).resolve().parents[1] / "tuning" / "nvidia-h200.json").read_text())
+    return {b["kernel"] for key, p in table["problems"].items() if problem in key
+            for b in p.get("buckets", []) if b.get("kernel")}
 
 
 def main() -> None:
@@ -31,14 +42,21 @@ def main() -> None:
     ap.add_argument("problems", nargs="*", default=DEFAULT)
     ap.add_argument("--ms", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="kernel-name regex (and the table's kernels): race just those")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    images, groups = native_kernels(90)
+    # build and load only these problems' kernels (with --only: those it names and the table's)
+    probs = "|".join(re.escape(p.replace("fp8_channel", "fp8").replace("/", "_")) for p in args.problems)
+    served = set().union(*(served_kernels(p) for p in args.problems))
+    names = f"(?=.*({args.only}|{'|'.join(sorted(served)) or '$^'}))" if args.only else ""
+    images, groups = native_kernels(90, f"^(?=.*({probs})){names}")
     bw = read_bandwidth(dev)
     print(f"read bandwidth {bw:.0f} GB/s")
     out = []
     for key in sorted(k for k in groups if any(p in k for p in args.problems)):
         entries = groups[key]
+        if args.only:  # the table's kernels first: each K plan's bitwise anchor is its first kernel
+            entries = sorted(entries, key=lambda e: e["name"] not in served)
         e0 = entries[0]
         p = Problem(90, e0["format"], e0["epilogue"] == "silu", e0["n"], e0["k"])
         reps = {r.name: r for r in verify_problem(entries, images, tuple(sorted(set(args.ms) | {1, 3, 17, 33})), dev)}
