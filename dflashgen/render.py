@@ -50,8 +50,7 @@ def _env() -> jinja2.Environment:
 def render_kernel(spec: KernelSpec) -> str:
     lay = spec.layout
     # producer tiles: their own template and header (skinny_gemm_pw.cu.j2; the library hash covers both)
-    template = "skinny_gemm_pw.cu.j2" if spec.tile.producer else "skinny_gemm.cu.j2"
-    return _env().get_template(template).render(
+    return _env().get_template(gemm_template(spec.tile.producer)).render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
         mma=WGMMA_NAME if spec.kplan.wgmma or spec.tile.wgc else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,
         fmt=spec.fmt, epilogue=spec.epilogue, n=spec.n, n_pad=lay.n_pad, k=spec.k,
@@ -209,13 +208,19 @@ def header_hash(source: str) -> str:
 GEMM_TEMPLATES = ("skinny_gemm.cu.j2", "skinny_gemm_pw.cu.j2")  # the register/x_smem path; producer tiles
 
 
-def gemm_source_hash() -> str:
-    """Hash of what every GEMM kernel is rendered and built from besides its manifest entry: the
-    templates and the header closure they include (the wgmma header too: skinny_gemm.cuh includes
-    it; the producer header and mbarrier.cuh through skinny_gemm_pw.cu.j2)."""
+def gemm_template(producer: int) -> str:
+    """The template a GEMM kernel is rendered from: producer tiles (skinny_gemm_pw.cuh) have their own."""
+    return GEMM_TEMPLATES[1] if producer else GEMM_TEMPLATES[0]
+
+
+def gemm_source_hash(templates: Iterable[str] = GEMM_TEMPLATES) -> str:
+    """Hash of what GEMM kernels are rendered and built from besides their manifest entries: the given
+    templates and the header closure they include (the wgmma header too: skinny_gemm.cuh includes it;
+    the producer header and mbarrier.cuh through skinny_gemm_pw.cu.j2). The kernel-library hash passes
+    the templates its manifest's kernels use, so a switched-off tile family's header is outside it."""
     root = Path(str(resources.files("dflashgen.templates")))
     h = hashlib.sha256()
-    for name in GEMM_TEMPLATES:
+    for name in sorted(set(templates)):
         template = (root / name).read_text()
         h.update((template + header_hash(template)).encode())
     return h.hexdigest()

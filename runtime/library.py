@@ -35,14 +35,19 @@ _Dispatch = tuple[Choice, str, tuple[str, int, str]]  # choice, table key, path_
 @lru_cache(maxsize=1)
 def kernel_library_hash() -> str:
     """Identity of the generated GEMM set: its manifest entries and the sources each is built from
-    (the GEMM template and the headers it includes, transitively). Tables are valid only for the
-    kernels they timed, so a change to a GEMM header makes them stale as a new tile does; other
-    kernel families' entries and headers do not."""
-    from dflashgen.render import gemm_source_hash
-
+    (the GEMM templates its kernels use and the headers they include, transitively). Tables are valid
+    only for the kernels they timed, so a change to a GEMM header makes them stale as a new tile does;
+    other kernel families' entries and headers do not, nor a tile family none of the kernels uses."""
     manifest = json.loads((resources.files("dflashgen.generated") / "manifest.json").read_text())
-    h = hashlib.sha256(json.dumps(manifest["kernels"], sort_keys=True, separators=(",", ":")).encode())
-    h.update(gemm_source_hash().encode())
+    return library_hash(manifest["kernels"])
+
+
+def library_hash(kernels: list[dict[str, Any]]) -> str:
+    """kernel_library_hash of a list of GEMM manifest entries (uncached)."""
+    from dflashgen.render import gemm_source_hash, gemm_template
+
+    h = hashlib.sha256(json.dumps(kernels, sort_keys=True, separators=(",", ":")).encode())
+    h.update(gemm_source_hash({gemm_template(k["tile"].get("producer", 0)) for k in kernels}).encode())
     return h.hexdigest()[:16]
 
 

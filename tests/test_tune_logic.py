@@ -303,6 +303,27 @@ def test_kernel_library_hash_covers_the_gemm_sources(monkeypatch) -> None:
     assert seen and "skinny_gemm.cuh" in seen[0]  # what is hashed is the GEMM template's closure
 
 
+def test_kernel_library_hash_covers_only_the_templates_its_kernels_use(monkeypatch) -> None:
+    """A tile family none of the manifest's kernels uses (the producer tiles, switched off) is outside
+    the hash: editing its header leaves the committed tables current; once one of its kernels is in the
+    manifest, the same edit makes them stale."""
+    import json
+    from importlib import resources
+
+    from dflashgen.runtime.library import library_hash
+
+    from dflashgen import render
+
+    kernels = json.loads((resources.files("dflashgen.generated") / "manifest.json").read_text())["kernels"]
+    assert not any(k["tile"].get("producer") for k in kernels)  # as committed
+    with_pw = kernels + [{**kernels[0], "name": "pw", "tile": {**kernels[0]["tile"], "producer": 1}}]
+    base, base_pw = library_hash(kernels), library_hash(with_pw)
+    real = render.header_hash
+    monkeypatch.setattr(render, "header_hash", lambda src: real(src) + ("edited" if "skinny_gemm_pw" in src else ""))
+    assert library_hash(kernels) == base
+    assert library_hash(with_pw) != base_pw
+
+
 def test_only_selects_problems_by_regex() -> None:
     """`dflashgen tune / bench --only` is a regex on problem keys (a plain substring still works)."""
     from dflashgen.render import load_targets
