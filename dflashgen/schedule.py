@@ -106,6 +106,10 @@ class Tile:
     # 1: a producer tile whose consumers are warpgroups issuing wgmma (A: the decoded fragments, B: the
     # stage's activations in the wgmma layout; names `_wc1`; sm_90a) in the mma.sync plan's K order
     wgc: int = 0
+    # a wgc tile's activation ring depth (names `_xr<d>`): its weights have a ring of their own,
+    # `stages` groups deep, filled by one more warp, so weight bytes in flight do not cost activation
+    # stages (8 KB each at 64 rows)
+    x_ring: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,9 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
-        # (a producer tile: plus its producer warp, skinny_gemm_pw.cuh)
-        return 32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma + 32 * self.tile.producer
+        # (a producer tile: plus its producer warps; wgc: plus the weight-ring warp, skinny_gemm_pw.cuh)
+        return (32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma + 32 * self.tile.producer
+                + 32 * self.tile.wgc)
 
     @property
     def target(self) -> str:
@@ -179,7 +184,7 @@ class KernelSpec:
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
                 f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
-                f"_mb{t.min_blocks}")
+                f"{f'_xr{t.x_ring}' if t.wgc else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -212,8 +217,12 @@ class KernelSpec:
         fold = self.tile.warps_n * acc * 32 * 4 * (2 if self.kplan.split_k > 1 else 1) if self.tile.serial else 0
         if self.tile.producer:  # skinny_gemm_pw.cuh SMEM: the ring's stages, the running sums, mbarriers
             tiles = self.tile.warps_n * self.tile.warp_nt
-            stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0) + self.tile.rows * self.kplan.k_group * 2
-            return self.tile.stages * stage + fold + 16 * self.tile.stages
+            w_stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0)
+            x_stage = self.tile.rows * self.kplan.k_group * 2
+            if self.tile.wgc:  # a weight ring of `stages` and an activation ring of x_ring groups
+                return self.tile.stages * w_stage + self.tile.x_ring * x_stage + fold + 16 * (self.tile.stages
+                                                                                               + self.tile.x_ring)
+            return self.tile.stages * (w_stage + x_stage) + fold + 16 * self.tile.stages
         red = (self.workers_per_cta - 1) * self.tile.warps_n * acc * 32 * 4 if self.workers_per_cta > 1 else 4
         # x_smem: a ring of x_stages groups of activations per K worker, overlaid with `red`
         ring = self.x_stages * self.workers_per_cta * self.tile.rows * self.kplan.k_group * 2
@@ -261,6 +270,8 @@ class KernelSpec:
             del tile["producer"]
         if not self.tile.wgc:
             del tile["wgc"]
+        if not self.tile.x_ring:
+            del tile["x_ring"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -410,8 +421,15 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     tiles = lay.n_pad // lay.tile_rows
     groups = spec.k // lay.k_group
     t = spec.tile
-    if not 1 <= t.stages <= PAD_GROUPS:
+    # (a producer ring copies exactly the K groups there are: no read-ahead past K to pad for)
+    if not 1 <= t.stages <= (32 if t.producer else PAD_GROUPS):
         return f"stages={t.stages} outside 1..{PAD_GROUPS} (the prepack pads {PAD_GROUPS} groups)"
+    if bool(t.wgc) != (t.x_ring >= 2):
+        return "x_ring (>= 2) is the activation ring of a wgc tile, and only of one"
+    if t.wgc and t.producer and t.x_ring % t.producer:
+        # each activation warp then owns x_ring / producer slots and waits on them in order; a slot
+        # shared by two warps could be waited on two phases ahead, which an mbarrier parity cannot tell
+        return f"x_ring={t.x_ring} not a multiple of the {t.producer} activation warps"
     if t.rows % 8 or t.rows > space.max_m:
         return f"rows={t.rows} must be a multiple of 8 and <= max_m={space.max_m}"
     if tiles % t.warp_nt:
@@ -437,9 +455,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
             return "x_smem needs the m16n8k16 trait (its lanes read 16 B of one batch row per sub-block)"
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
         key = _shape_list(t)
-        listed = [s for s in space.tiles.get(key, []) if s[:4] == shape and (not t.wgc or s[4] == t.producer)]
+        listed = [s for s in space.tiles.get(key, [])
+                  if s[:4] == shape and (not t.wgc or tuple(s[4:6]) == (t.producer, t.x_ring))]
         if t.wgc:
-            listed = [s[:4] for s in listed]  # the fifth field is the producer warps, not a thread cap
+            listed = [s[:4] for s in listed]  # producer warps and activation ring, not thread caps
         if t.x_ahead or not listed:
             return (f"x_smem only with x_ahead=0 and (rows, warp_nt, warps_n, stages) {shape} in the "
                     f"space's {key} {[s[:4] for s in space.tiles.get(key, [])]}")
@@ -630,13 +649,14 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     # serial shapes (one CTA walks all of the plan's K workers): x_smem tiles from their own list
     # (and with their weight ring in shared memory, deeper: w_async_serial_tiles)
     # (and fed by a producer warp: producer_tiles, stages = its ring's K groups)
-    # (and with wgmma consumer warpgroups: wgmma_producer_tiles, [rows, 1, warps_n, stages, producer warps])
+    # (and with wgmma consumer warpgroups: wgmma_producer_tiles, [rows, 1, warps_n, weight stages, activation
+    # producer warps, activation stages])
     for key, wa, pw in (("serial_tiles", 0, 0), ("w_async_serial_tiles", 1, 0), ("producer_tiles", 0, 1),
                         ("wgmma_producer_tiles", 0, 1)):
         for rows, warp_nt, warps_n, stages, *extra in space.tiles.get(key, []):
             wgc = int(key == "wgmma_producer_tiles")
             tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa,
-                        producer=extra[0] if wgc else pw, wgc=wgc)
+                        producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0)
             c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
             if illegal_reason(c) is None and c not in out:
                 out.append(c)

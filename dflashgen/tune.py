@@ -63,7 +63,7 @@ def spec_of(entry: dict[str, Any]) -> KernelSpec:
                 min_blocks=t.get("min_blocks", 1), x_ahead=t.get("x_ahead", 1), x_smem=t.get("x_smem", 0),
                 wsplit=t.get("wsplit", 0), w_async=t.get("w_async", 0),
                 l2_ahead=t.get("l2_ahead", 0), serial=t.get("serial", 0), producer=t.get("producer", 0),
-                wgc=t.get("wgc", 0))
+                wgc=t.get("wgc", 0), x_ring=t.get("x_ring", 0))
     threads = entry.get("threads", 32 * tile.warps_n * kp.get("warps_k", 1))
     plan = KPlan(split_k=kp.get("split_k", 1), warps_k=kp.get("warps_k", threads // (32 * tile.warps_n)),
                  k_group=kp.get("k_group", lay.k_group), wgmma=kp.get("wgmma", 0))

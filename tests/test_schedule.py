@@ -485,10 +485,11 @@ def test_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """wgmma_producer_tiles (names `_pw<P>_wc1`; skinny_gemm_pw.cuh WGC): producer tiles whose consumers
-    are warpgroups issuing wgmma.m64nROWSk16 (A: the decoded fragments, B: the stage's activations in
-    the wgmma layout) in the mma.sync plan's K order -- no K plan of their own, so `dflashgen verify`
-    holds them to that plan's anchor bitwise -- fed by P producer warps, built for sm_90a. Every
+    """wgmma_producer_tiles (names `_pw<P>_wc1_xr<X>`; skinny_gemm_pw.cuh WGC): producer tiles whose
+    consumers are warpgroups issuing wgmma.m64nROWSk16 (A: the decoded fragments, B: the activation
+    ring's slot in the wgmma layout) in the mma.sync plan's K order -- no K plan of their own, so
+    `dflashgen verify` holds them to that plan's anchor bitwise -- fed by P activation warps (an X-deep
+    ring) and one weight warp (a ring of `stages`), built for sm_90a. Every
     listed shape appears on every mma.sync K plan of a large problem; sm_70 / sm_80 have none; NVRTC
     compiles one (a split-K plan: the fold of the finished splits) for compute_90a."""
     import dflashgen.schedule as sched
@@ -497,7 +498,7 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     from dflashgen.tune import spec_of
 
     space = load_space(90)  # the space's list, or (off, as committed since session 15) two shapes switched on here
-    shapes = {tuple(t) for t in space.tiles["wgmma_producer_tiles"]} or {(64, 1, 4, 4, 2), (32, 1, 4, 6, 1)}
+    shapes = {tuple(t) for t in space.tiles["wgmma_producer_tiles"]} or {(64, 1, 4, 12, 4, 4), (32, 1, 8, 8, 2, 4)}
     on = replace(space, tiles={**space.tiles, "wgmma_producer_tiles": sorted(shapes)})
     monkeypatch.setattr(sched, "load_space", lambda arch: on if arch == 90 else load_space(arch))
     assert not any(c.tile.wgc for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
@@ -505,23 +506,26 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
         cands = candidates(90, fmt, n, k)
         wc = [c for c in cands if c.tile.wgc]
         assert {c.kplan for c in wc} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
-        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer) for c in wc} == shapes
+        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring) for c in wc} == shapes
         for c in wc:
-            assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_" in c.name
-            assert c.threads == 32 * (c.tile.warps_n + c.tile.producer) and c.target == "90a"
+            assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_xr{c.tile.x_ring}_" in c.name
+            assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + 1) and c.target == "90a"
             assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
             tiles = c.tile.warps_n
-            stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0) + c.tile.rows * c.kplan.k_group * 2
+            w_stage, x_stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0), c.tile.rows * c.kplan.k_group * 2
             fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * (1 + (c.kplan.split_k > 1))
-            assert c.smem_bytes() == c.tile.stages * (stage + 16) + fold
+            assert c.smem_bytes() == c.tile.stages * (w_stage + 16) + c.tile.x_ring * (x_stage + 16) + fold
             d = c.to_dict()
             assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c
     base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.wgc and c.kplan.split_k > 1)
-    for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8)):
+    for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8), dict(x_ring=1), dict(x_ring=3)):
         assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
-    assert "wgmma_producer_tiles" in illegal_reason(replace(base, tile=replace(base.tile, stages=base.tile.stages + 1)))
+    for off_list in (dict(stages=base.tile.stages + 1), dict(x_ring=2 * base.tile.x_ring)):
+        assert "wgmma_producer_tiles" in illegal_reason(replace(base, tile=replace(base.tile, **off_list)))
+    assert "x_ring" in illegal_reason(replace(base, tile=replace(base.tile, wgc=0, x_ring=3)))
     src = render_kernel(base)
     assert "#define DFLASHGEN_WGMMA 1" in src and "static constexpr bool WGC = true;" in src
+    assert f"static constexpr int X_RING = {base.tile.x_ring};" in src
     assert f"__launch_bounds__({base.threads}, 1)" in src and f"Gemm::SMEM <= {base.smem_bytes()}" in src
     cu = tmp_path / f"{base.name}.cu"
     cu.write_text(src)

@@ -15,6 +15,11 @@
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
 #                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first
+#   PART=R ...                             # a race of chosen GEMM kernels against the served ones
+#                                          # (tools/wgmma_race.py: verified first, then timed):
+#                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
+#                                          # applied to this copy only first (e.g. a tile list switched
+#                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -72,5 +77,13 @@ C)
     echo "== decode-bench $AB (B4, B8)"
     timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
   fi
+  if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
+R)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
+  # builds only the raced problems' kernels (with --only: the named ones and the table's)
+  timeout 300 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1
+  echo "race rc $?"; tail -40 "$R/race.txt"
+  pack
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
 esac

@@ -20,9 +20,13 @@
 // asynchronously: group a's MMAs run while the warps decode group a + 1, which removes the mma.sync
 // consumers' dependent LDS -> decode -> HMMA chain (session 14's limit). The stage's activations
 // are in the wgmma B layout (WgmmaBLayout: 4-byte words placed by the prepack's K permutation, so
-// every k-step sums the same products as the mma.sync path's), copied by PRODUCERS warps. Bits: on
-// the H200 wgmma and mma.sync plans of the same K order agree bit for bit (the verify twins), and
-// dflashgen verify holds every WGC tile to its plan's anchor.
+// every k-step sums the same products as the mma.sync path's), staged by PRODUCERS warps into an
+// activation ring of X_RING groups; the weights and scales have a ring of their own, STAGES groups
+// deep, filled with cp.async by one more warp (weight bytes in flight are what a CTA needs to hide
+// DRAM latency, and a weight group is a quarter of an activation group's bytes at 64 rows; session
+// 16's ncu of the shared ring: both sides waiting, the ring all in flight). Bits: on the H200 wgmma
+// and mma.sync plans of the same K order agree bit for bit (the verify twins), and dflashgen verify
+// holds every WGC tile to its plan's anchor.
 #pragma once
 
 #include "mbarrier.cuh"
@@ -30,35 +34,59 @@
 
 namespace dflashgen {
 
+// A WGC tile's optional X_RING (its activation ring; skinny_gemm.cuh's optional members are the
+// others), and the view of its Cfg the base class gets: the base's register ring, which reads up to
+// STAGES groups past a worker's range into the prepack's padding, is not used here, and a WGC weight
+// ring may be deeper than that padding (it copies exactly the groups there are).
+template <class C, class = void>
+struct CfgXRing {
+  static constexpr int value = 0;
+};
+template <class C>
+struct CfgXRing<C, void_t<decltype(C::X_RING)>> {
+  static constexpr int value = C::X_RING;
+};
+template <class Cfg>
+struct PwBaseCfg : Cfg {
+  static constexpr int STAGES = Cfg::STAGES < PAD_GROUPS ? Cfg::STAGES : PAD_GROUPS;
+};
+
 template <class Cfg>
 struct SkinnyGemmPw {
-  using Base = SkinnyGemm<Cfg>;  // the fragment shapes, accumulator walk and epilogue
+  using Base = SkinnyGemm<PwBaseCfg<Cfg>>;  // the fragment shapes, accumulator walk and epilogue
   using T = typename Base::T;
   using Scale = typename T::Scale;
   static constexpr int WN = Cfg::WARPS_N, NT = Cfg::WARP_NT, NT8 = Base::NT8, ACC = Base::ACC;
   static constexpr int ST = Cfg::STAGES, G = Base::G, WORKERS = Base::WORKERS, TILES = Base::TILES;
   static constexpr bool NVFP4 = Base::NVFP4;
   static constexpr bool WGC = CfgWgc<Cfg>::value;
-  static constexpr int PW = CfgProducers<Cfg>::value;  // producer warps
-  static constexpr int THREADS = 32 * WN + 32 * PW;    // the consumers, then the producer warps
+  static constexpr int PW = CfgProducers<Cfg>::value;  // producer warps (WGC: of the activations)
+  static constexpr int XR = CfgXRing<Cfg>::value;      // WGC: the activation ring's depth
+  // the consumers, the producer warps, and (WGC) the weight warp
+  static constexpr int THREADS = 32 * WN + 32 * PW + (WGC ? 32 : 0);
   static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
                 "WGC: whole warpgroups of warp_nt = 1 warps, wgmma N = rows in {16, 32, 64}");
-  static_assert(WGC || PW == 1, "mma.sync producer tiles have one producer warp");
+  static_assert(WGC ? XR >= 2 : PW == 1 && XR == 0, "mma.sync producer tiles: one producer warp, one ring");
+  // each activation warp owns slots pw, pw + PW, ... and waits on them in order (a slot two warps share
+  // could be waited on two phases ahead, which a parity wait cannot tell from the phase before)
+  static_assert(!WGC || XR % PW == 0, "the activation ring: a multiple of the activation warps");
   static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
                 "a producer tile is a serial x_smem tile: one CTA walks every K worker");
   static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
   static_assert(!NVFP4 || T::SCALE_WORDS * sizeof(Scale) == 64, "NVFP4 scales: 64 bytes per tile and group");
 
-  // A stage: W[WN][NT][32] 16-byte weight words | S[WN][NT][SCALE_WORDS] (NVFP4) | X[XCHUNKS] chunks.
+  // A group's weights W[WN][NT][32] 16-byte words | S[WN][NT][SCALE_WORDS] (NVFP4), its activations
+  // X[XCHUNKS] chunks. The ring: ST stages of W | S | X; WGC: ST stages of W | S, then XR of X.
   static constexpr int XCHUNKS = Base::XCHUNKS;
   static constexpr int W_OFF = 0, S_OFF = W_OFF + WN * NT * 32 * 16;
-  static constexpr int X_OFF = S_OFF + (NVFP4 ? WN * NT * 64 : 0);
-  static constexpr int STAGE = X_OFF + XCHUNKS * 16;
-  // Then the running sums (Base's fold layout: tot, and spl with split-K), then full[ST], empty[ST].
+  static constexpr int W_BYTES = S_OFF + (NVFP4 ? WN * NT * 64 : 0), X_BYTES = XCHUNKS * 16;
+  static constexpr int STAGE = WGC ? W_BYTES : W_BYTES + X_BYTES;
+  // Then the running sums (Base's fold layout: tot, and spl with split-K), then the mbarriers: full[ST],
+  // empty[ST] (WGC: of the weight ring, then xfull[XR], xempty[XR]).
   static constexpr int SPL = Base::SPL;
-  static constexpr int FOLD_OFF = ST * STAGE, FOLD = WN * ACC * 32 * 4;
+  static constexpr int FOLD_OFF = ST * STAGE + XR * X_BYTES, FOLD = WN * ACC * 32 * 4;
   static constexpr int BAR_OFF = FOLD_OFF + (1 + SPL) * FOLD;
-  static constexpr int SMEM = BAR_OFF + 16 * ST;
+  static constexpr int SMEM = BAR_OFF + 16 * (ST + XR);
   static_assert(STAGE % 16 == 0 && FOLD % 16 == 0, "16-byte aligned stage and fold blocks");
   // The fold region viewed as Base::fold_worker's `smem.x` (tot, and spl only with split-K); sums(): the
   // plan's result once every worker is folded.
@@ -77,6 +105,10 @@ struct SkinnyGemmPw {
   // the mbarriers of ring slot s (`sb`: the shared-window address of the dynamic shared memory)
   __device__ static unsigned full(unsigned sb, int s) { return sb + BAR_OFF + 8 * s; }
   __device__ static unsigned empty(unsigned sb, int s) { return sb + BAR_OFF + 8 * (ST + s); }
+  __device__ static unsigned xfull(unsigned sb, int s) { return sb + BAR_OFF + 8 * (2 * ST + s); }
+  __device__ static unsigned xempty(unsigned sb, int s) { return sb + BAR_OFF + 8 * (2 * ST + XR + s); }
+  // the offset of a stage's activations: in the stage, or (WGC) slot s of the activation ring
+  __device__ static int x_at(int s) { return WGC ? ST * STAGE + s * X_BYTES : s * STAGE + W_BYTES; }
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
@@ -86,14 +118,28 @@ struct SkinnyGemmPw {
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
       for (int s = 0; s < ST; ++s) {
-        mbar_init(full(sb, s), WGC ? 64 : 32 * PW);  // every lane of the group's producer(s); WGC: twice
+        mbar_init(full(sb, s), 32);                   // the producer (WGC: weight) warp's cp.async arrivals
         mbar_init(empty(sb, s), WGC ? 32 * WN : WN);  // WGC: every consumer lane
+      }
+      for (int s = 0; s < XR; ++s) {
+        mbar_init(xfull(sb, s), 32);       // the group's activation warp, every lane
+        mbar_init(xempty(sb, s), 32 * WN);  // every consumer lane
       }
       mbar_init_fence();
     }
     __syncthreads();
+#ifdef DFLASHGEN_WGMMA
+    if constexpr (WGC) {
+      // The weights are never written on the GPU: their warp starts before the programmatic-launch
+      // wait, under the previous kernel's tail.
+      if (warp == WN + PW) {
+        produce_weights(wq, wscale, smem, sb, lane);
+        return;
+      }
+    }
+#endif
     // Activations, outputs (and under programmatic dependent launch the previous kernel's writes):
-    // only after the wait. The weights could go earlier; the ring's depth hides the first stages.
+    // only after the wait.
     pdl_wait();
     if (warp >= WN) {
       produce(x, M, m0, wq, wscale, smem, sb, warp - WN, lane);
@@ -108,14 +154,54 @@ struct SkinnyGemmPw {
     consume(M, m0, col_scale, out, smem, sb, warp, lane);
   }
 
-  // The producer warp: stage after stage, K group a into slot a % ST once the consumers released the
-  // slot's previous group (a - ST). Warp tiles past N copy the last tile's words (in bounds, never stored);
-  // activation rows at or past M are not copied (their B columns feed outputs that are never stored).
+  // The WGC weight warp: its 32 lanes copy each group's 16-byte weight words (and 4 lanes the 64-byte
+  // scale blocks) of every warp tile with cp.async, `stages` groups ahead, completing on `full`. A tile's
+  // groups are consecutive 512-byte blocks and tiles G blocks apart, so one running pointer and
+  // compile-time offsets address them all (session 16's first weight warp spent ~130 instructions per
+  // group on 64-bit address math; ncu had the consumers waiting on weights with the ring never full).
+  // Warp tiles past N (the last CTA's) are not copied: their consumers decode whatever the slot holds
+  // into sums of rows that are never stored.
+  __device__ static void produce_weights(const uint4* __restrict__ wq, const void* __restrict__ wscale, char* smem,
+                                         unsigned sb, int lane) {
+    const int tile0 = blockIdx.y * WN;
+    // per warp tile, this lane's weight word and (lanes < 4) scale chunk at group 0; tiles past N copy the
+    // last tile's (in bounds, never stored)
+    const char* w[WN];
+    const char* sc[WN];
+#pragma unroll
+    for (int t = 0; t < WN; ++t) {
+      const size_t tg = static_cast<size_t>(min(tile0 + t, TILES - 1)) * G;
+      w[t] = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
+      sc[t] = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
+    }
+    const unsigned dst0 = sb + W_OFF + 16 * lane, sdst0 = sb + S_OFF + 16 * (lane & 3);
+#pragma unroll 1
+    for (int a = 0; a < G; ++a) {
+      const int s = a % ST;
+      if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
+#pragma unroll
+      for (int t = 0; t < WN; ++t) {
+        cp_async16_at(dst0 + s * STAGE + t * 512, w[t] + a * 512);
+        if constexpr (NVFP4)
+          if (lane < 4) cp_async16_at(sdst0 + s * STAGE + t * 64, sc[t] + a * 64);
+      }
+      mbar_arrive_cp_async(full(sb, s));
+    }
+    cp_async_wait<0>();  // every copy landed before the warp leaves (its arrivals are tied to them)
+  }
+  __device__ __forceinline__ static void cp_async16_at(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  }
+
+  // The mma.sync tiles' producer warp: stage after stage, K group a into slot a % ST once the consumers
+  // released the slot's previous group (a - ST): its weight words, scales and the CTA's activation rows
+  // (the x_smem layout), with cp.async. Warp tiles past N copy the last tile's words (in bounds, never
+  // stored); activation rows at or past M are not copied (their B columns feed outputs never stored).
   __device__ static void produce(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
                                  const void* __restrict__ wscale, char* smem, unsigned sb, int pw, int lane) {
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WGC) {
-      produce_wg(x, M, m0, wq, wscale, smem, sb, pw, lane);
+      produce_wg(x, M, m0, smem, sb, pw, lane);
       return;
     }
 #endif
@@ -135,11 +221,12 @@ struct SkinnyGemmPw {
           if constexpr (NVFP4)
             if (lane < 4) cp_async16(st + S_OFF + (w * NT + i) * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
         }
+      char* xs = smem + x_at(s);
 #pragma unroll
       for (int c = lane; c < XCHUNKS; c += 32) {
         const int r = c / T::XCPR, cc = c % T::XCPR;
         const __half* src = x + static_cast<size_t>(m0 + r) * Cfg::K + static_cast<size_t>(a) * T::KG + 8 * cc;
-        cp_async16_if(st + X_OFF + 16 * (r * T::XCPR + (cc ^ T::xs_swizzle(r))), src, m0 + r < M);
+        cp_async16_if(xs + 16 * (r * T::XCPR + (cc ^ T::xs_swizzle(r))), src, m0 + r < M);
       }
       mbar_arrive_cp_async(full(sb, s));
     }
@@ -168,7 +255,7 @@ struct SkinnyGemmPw {
         if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + (wn * NT + i) * 64)[T::scale_index()];
         T::decode(wv, sc, frag[i]);
       }
-      Base::mma_xs_stage(frag, reinterpret_cast<const uint4*>(st + X_OFF), xoff, acc);
+      Base::mma_xs_stage(frag, reinterpret_cast<const uint4*>(smem + x_at(s)), xoff, acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(sb, s));  // the MMAs consumed every read of the stage
       if (a + 1 == vend) {  // worker v's last group: fold its sums in the plan's order
@@ -190,44 +277,33 @@ struct SkinnyGemmPw {
   __device__ __forceinline__ static void sts32(unsigned addr, unsigned v) {
     asm volatile("st.shared.u32 [%0+%2], %1;" ::"r"(addr), "r"(v), "n"(OFF) : "memory");
   }
-  // WGC producer warp pw takes whole K groups a = pw, pw + PW, ...: its lanes load the group's
+  // WGC activation warp pw takes whole K groups a = pw, pw + PW, ...: its lanes load the group's
   // activation chunks (batch row n = 8 nb + lane / 4, physical K 32p + 8t .. + 7, t = lane % 4) with
-  // LDG.128 before waiting for the slot, copy the weights / scales with cp.async, store each chunk's
-  // four 4-byte words with STS.32 into the wgmma B layout (WgmmaBLayout: word w to k-step 2p + (w >> 1),
-  // K half w & 1 -- the prepack's K permutation; lane (n % 8, t) -> bank 4 (n % 8) + t: conflict-free),
-  // make them visible to the async proxy, and arrive: `full` counts the warp's 32 cp.async arrivals
-  // and 32 plain ones. Rows at or past M are neither loaded nor stored (their B columns feed outputs
-  // never stored). Why not 4-byte cp.async straight into the layout: each such warp copy touches 8
-  // rows, 8 L1 wavefronts per 128 B, and saturated L1TEX (session 15 ncu: 84%, 2x slower than this).
-  __device__ static void produce_wg(const __half* __restrict__ x, int M, int m0, const uint4* __restrict__ wq,
-                                    const void* __restrict__ wscale, char* smem, unsigned sb, int pw, int lane) {
-    static_assert(STAGE % 16 == 0 && X_OFF % 16 == 0 && XCHUNKS * 16 == T::KG / 16 * L::KSTEP, "stage layout");
+  // LDG.128 before waiting for the slot a % XR, store each chunk's four 4-byte words with STS.32 into
+  // the wgmma B layout (WgmmaBLayout: word w to k-step 2p + (w >> 1), K half w & 1 -- the prepack's K
+  // permutation; lane (n % 8, t) -> bank 4 (n % 8) + t: conflict-free), make them visible to the async
+  // proxy, and arrive on `xfull` (count 32). Rows at or past M are neither loaded nor stored (their B
+  // columns feed outputs never stored). Why not 4-byte cp.async straight into the layout: each such
+  // warp copy touches 8 rows, 8 L1 wavefronts per 128 B, and saturated L1TEX (session 15 ncu: 84%, 2x
+  // slower than this).
+  __device__ static void produce_wg(const __half* __restrict__ x, int M, int m0, char* smem, unsigned sb, int pw,
+                                    int lane) {
+    static_assert(STAGE % 16 == 0 && X_BYTES % 16 == 0 && X_BYTES == T::KG / 16 * L::KSTEP, "ring layout");
     constexpr int NB = Cfg::ROWS / 8, KS = T::KSUB;
-    const char* wsc = static_cast<const char*>(wscale);
-    const int tile0 = blockIdx.y * WN;
     const int t = lane & 3, r = lane >> 2;
     const int xrows = M - m0 - r;
     const __half* src0 = x + static_cast<size_t>(m0 + r) * Cfg::K + 8 * t;
 #pragma unroll 1
     for (int a = pw; a < G; a += PW) {
-      const int s = a % ST;
+      const int s = a % XR;
       uint4 v[NB][KS];
       const __half* src = src0 + static_cast<size_t>(a) * T::KG;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int p = 0; p < KS; ++p) ld_act_if(v[nb][p], src + nb * 8 * Cfg::K + 32 * p, 8 * nb < xrows);
-      if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
-      char* st = smem + s * STAGE;
-#pragma unroll
-      for (int w = 0; w < WN; ++w) {
-        const size_t tg = static_cast<size_t>(min(tile0 + w, TILES - 1)) * G + a;
-        cp_async16(st + W_OFF + (w * 32 + lane) * 16, wq + tg * 32 + lane);
-        if constexpr (NVFP4)
-          if (lane < 4) cp_async16(st + S_OFF + w * 64 + 16 * lane, wsc + tg * 64 + 16 * lane);
-      }
-      mbar_arrive_cp_async(full(sb, s));
-      const unsigned xs = sb + s * STAGE + X_OFF + L::offset(0, r, 0, t);
+      if (a >= XR) mbar_wait(xempty(sb, s), (a / XR - 1) & 1);
+      const unsigned xs = sb + x_at(s) + L::offset(0, r, 0, t);
       static_for<NB>([&](auto nb_c) {
         constexpr int nb = decltype(nb_c)::value;
         if (8 * nb < xrows) {
@@ -241,42 +317,43 @@ struct SkinnyGemmPw {
         }
       });
       fence_proxy_async_smem();
-      mbar_arrive(full(sb, s));
+      mbar_arrive(xfull(sb, s));
     }
-    cp_async_wait<0>();
   }
 
   // WGC consumer warp `wn` (warpgroup wn / 4; the CTA's 16-row weight tile wn). Worker by worker
   // (the plan's order), per group a of its range: its wgmmas (KG / 16 k-steps, ascending) on
-  // frag[a % 2], commit; retire group a - 1 (wait_group 1) and release its stage; then wait for
-  // group a + 1's stage and decode it into the other fragment buffer while group a runs. At the
-  // range's end everything retires and the worker's sums fold in the plan's order
-  // (Base::fold_worker), as in consume. Control flow around the wgmmas is warp-uniform by
-  // construction (every lane arrives on `empty`; no per-group branch on the fold), else ptxas
-  // serializes them (C7518).
+  // frag[a % 2], commit; retire group a - 1 (wait_group 1) and release its activation slot; then wait
+  // for group a + 1's weights, decode them into the other fragment buffer (releasing their slot: they
+  // are in registers) and wait for its activations, while group a runs. At the range's end everything
+  // retires and the worker's sums fold in the plan's order (Base::fold_worker), as in consume. Control
+  // flow around the wgmmas is warp-uniform by construction (every lane arrives on the barriers; no
+  // per-group branch on the fold), else ptxas serializes them (C7518).
   __device__ static void consume_wg(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
                                     char* smem, unsigned sb, int wn, int lane) {
     constexpr int KSTEPS = T::KG / 16;
     float acc[1][NT8][T::NACC];
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
     auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
-    const uint64_t desc0 = L::desc_base() + (((sb + X_OFF) >> 4) & 0x3FFF);
+    const uint64_t desc0 = L::desc_base() + (((sb + x_at(0)) >> 4) & 0x3FFF);
     typename T::Frag frag[2];
     auto load = [&](const int a, typename T::Frag& f) {
       const int s = a % ST;
       mbar_wait(full(sb, s), (a / ST) & 1);
-      // the stage's cp.async writes (generic proxy), acquired through the barrier, ordered before
-      // this thread's wgmmas read it through the async proxy
-      fence_proxy_async_smem();
       const char* st = smem + s * STAGE;
       const uint4 wv = lds128(reinterpret_cast<const uint4*>(st + W_OFF) + wn * 32 + lane);
       Scale sc = 0;
       if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + wn * 64)[T::scale_index()];
       T::decode(wv, sc, f);
+      mbar_arrive(empty(sb, s));  // after the decode that consumed the loads: the weight slot is free
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
         for (int q = 0; q < 4; ++q) cute::warpgroup_fence_operand(f.a[ks][q]);
+      mbar_wait(xfull(sb, a % XR), (a / XR) & 1);
+      // the slot's STS writes (generic proxy), acquired through the barrier, ordered before this
+      // thread's wgmmas read it through the async proxy
+      fence_proxy_async_smem();
     };
     auto fence_acc = [&]() {
 #pragma unroll
@@ -289,7 +366,7 @@ struct SkinnyGemmPw {
     auto step = [&](auto cur_c, auto last_c, const int a) {
       constexpr int cur = decltype(cur_c)::value;
       constexpr bool last = decltype(last_c)::value;
-      const unsigned xs = static_cast<unsigned>((a % ST) * STAGE);
+      const unsigned xs = static_cast<unsigned>((a % XR) * X_BYTES);
       fence_acc();
       cute::warpgroup_arrive();
 #pragma unroll
@@ -299,7 +376,7 @@ struct SkinnyGemmPw {
       if constexpr (last) cute::warpgroup_wait<0>();
       else cute::warpgroup_wait<1>();
       fence_acc();
-      if (a > 0) mbar_arrive(empty(sb, (a - 1) % ST));
+      if (a > 0) mbar_arrive(xempty(sb, (a - 1) % XR));
       if constexpr (!last) load(a + 1, frag[cur ^ 1]);
     };
 #pragma unroll 1
