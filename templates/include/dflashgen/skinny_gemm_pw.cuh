@@ -156,11 +156,10 @@ struct SkinnyGemmPw {
 
   // The WGC weight warp: its 32 lanes copy each group's 16-byte weight words (and 4 lanes the 64-byte
   // scale blocks) of every warp tile with cp.async, `stages` groups ahead, completing on `full`. A tile's
-  // groups are consecutive 512-byte blocks and tiles G blocks apart, so one running pointer and
-  // compile-time offsets address them all (session 16's first weight warp spent ~130 instructions per
-  // group on 64-bit address math; ncu had the consumers waiting on weights with the ring never full).
-  // Warp tiles past N (the last CTA's) are not copied: their consumers decode whatever the slot holds
-  // into sums of rows that are never stored.
+  // groups are consecutive 512-byte (64-byte) blocks, so each tile's source is computed once and
+  // advanced per group (session 16's first weight warp spent ~130 instructions per group on 64-bit
+  // address math, and ncu had the consumers waiting on weights with the ring never full; 1-D bulk
+  // copies instead were slower still).
   __device__ static void produce_weights(const uint4* __restrict__ wq, const void* __restrict__ wscale, char* smem,
                                          unsigned sb, int lane) {
     const int tile0 = blockIdx.y * WN;
@@ -174,23 +173,20 @@ struct SkinnyGemmPw {
       w[t] = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
       sc[t] = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
     }
-    const unsigned dst0 = sb + W_OFF + 16 * lane, sdst0 = sb + S_OFF + 16 * (lane & 3);
 #pragma unroll 1
     for (int a = 0; a < G; ++a) {
       const int s = a % ST;
       if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
+      char* st = smem + s * STAGE;
 #pragma unroll
       for (int t = 0; t < WN; ++t) {
-        cp_async16_at(dst0 + s * STAGE + t * 512, w[t] + a * 512);
+        cp_async16(st + W_OFF + t * 512 + 16 * lane, w[t] + a * 512);
         if constexpr (NVFP4)
-          if (lane < 4) cp_async16_at(sdst0 + s * STAGE + t * 64, sc[t] + a * 64);
+          if (lane < 4) cp_async16(st + S_OFF + t * 64 + 16 * lane, sc[t] + a * 64);
       }
       mbar_arrive_cp_async(full(sb, s));
     }
     cp_async_wait<0>();  // every copy landed before the warp leaves (its arrivals are tied to them)
-  }
-  __device__ __forceinline__ static void cp_async16_at(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
   }
 
   // The mma.sync tiles' producer warp: stage after stage, K group a into slot a % ST once the consumers
