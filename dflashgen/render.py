@@ -49,7 +49,8 @@ def _env() -> jinja2.Environment:
 
 def render_kernel(spec: KernelSpec) -> str:
     lay = spec.layout
-    # producer tiles: their own template and header (skinny_gemm_pw.cu.j2; the library hash covers both)
+    # producer tiles: their own template and header (skinny_gemm_pw.cu.j2; in the library hash once a
+    # manifest kernel uses them)
     return _env().get_template(gemm_template(spec.tile.producer)).render(
         version=__version__, name=spec.name, serves=sorted(spec.serves) or ["(ad hoc)"], arch=spec.arch,
         mma=WGMMA_NAME if spec.kplan.wgmma or spec.tile.wgc else MMA_NAME[spec.fam], wgmma=spec.kplan.wgmma,

@@ -421,9 +421,11 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     tiles = lay.n_pad // lay.tile_rows
     groups = spec.k // lay.k_group
     t = spec.tile
-    # (a producer ring copies exactly the K groups there are: no read-ahead past K to pad for)
-    if not 1 <= t.stages <= (32 if t.producer else PAD_GROUPS):
-        return f"stages={t.stages} outside 1..{PAD_GROUPS} (the prepack pads {PAD_GROUPS} groups)"
+    # the prepack pads PAD_GROUPS groups for the register rings' read-ahead past K; a producer ring copies
+    # exactly the groups there are
+    max_stages = 32 if t.producer else PAD_GROUPS
+    if not 1 <= t.stages <= max_stages:
+        return f"stages={t.stages} outside 1..{max_stages} (the prepack pads {PAD_GROUPS} groups)"
     if bool(t.wgc) != (t.x_ring >= 2):
         return "x_ring (>= 2) is the activation ring of a wgc tile, and only of one"
     if t.wgc and t.producer and t.x_ring % t.producer:
