@@ -458,9 +458,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
         key = _shape_list(t)
         listed = [s for s in space.tiles.get(key, [])
-                  if s[:4] == shape and (not t.wgc or tuple(s[4:6]) == (t.producer, t.x_ring))]
+                  if s[:4] == shape and (not t.wgc or (*s[4:6], s[6] if len(s) > 6 else 0)
+                                         == (t.producer, t.x_ring, t.l2_ahead))]
         if t.wgc:
-            listed = [s[:4] for s in listed]  # producer warps and activation ring, not thread caps
+            listed = [s[:4] for s in listed]  # producer warps, activation ring, L2 prefetch: not thread caps
         if t.x_ahead or not listed:
             return (f"x_smem only with x_ahead=0 and (rows, warp_nt, warps_n, stages) {shape} in the "
                     f"space's {key} {[s[:4] for s in space.tiles.get(key, [])]}")
@@ -492,7 +493,7 @@ def illegal_reason(spec: KernelSpec) -> str | None:
                              or t.rows > max(space.tiles.get("w_async_max_rows", [0]))):
             return (f"w_async register-path tiles of <= {space.tiles.get('w_async_max_rows', [0])} rows at the "
                     f"space's w_async_stages {space.tiles.get('w_async_stages', [])}")
-    if t.l2_ahead and (t.x_smem or t.w_async or t.wsplit or spec.kplan.wgmma or t.x_ahead != 1
+    if t.l2_ahead and not t.wgc and (t.x_smem or t.w_async or t.wsplit or spec.kplan.wgmma or t.x_ahead != 1
                        or 1 not in space.tiles.get("l2_ahead", [])
                        or t.rows > max(space.tiles.get("l2_ahead_max_rows", [0]))):
         return (f"l2_ahead only for register-path mma.sync tiles at x_ahead=1 of <= "
@@ -652,13 +653,14 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
     # (and with their weight ring in shared memory, deeper: w_async_serial_tiles)
     # (and fed by a producer warp: producer_tiles, stages = its ring's K groups)
     # (and with wgmma consumer warpgroups: wgmma_producer_tiles, [rows, 1, warps_n, weight stages, activation
-    # producer warps, activation stages])
+    # producer warps, activation stages(, 1: the weight warp's L2 prefetch ahead of its ring)])
     for key, wa, pw in (("serial_tiles", 0, 0), ("w_async_serial_tiles", 1, 0), ("producer_tiles", 0, 1),
                         ("wgmma_producer_tiles", 0, 1)):
         for rows, warp_nt, warps_n, stages, *extra in space.tiles.get(key, []):
             wgc = int(key == "wgmma_producer_tiles")
             tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa,
-                        producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0)
+                        producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0,
+                        l2_ahead=extra[2] if wgc and len(extra) > 2 else 0)
             c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
             if illegal_reason(c) is None and c not in out:
                 out.append(c)

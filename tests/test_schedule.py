@@ -498,7 +498,8 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     from dflashgen.tune import spec_of
 
     space = load_space(90)  # the space's list, or (off, as committed since session 15) two shapes switched on here
-    shapes = {tuple(t) for t in space.tiles["wgmma_producer_tiles"]} or {(64, 1, 4, 12, 4, 4), (32, 1, 8, 8, 2, 4)}
+    shapes = ({tuple(t) for t in space.tiles["wgmma_producer_tiles"]}
+              or {(64, 1, 4, 12, 4, 4), (32, 1, 8, 8, 2, 4), (64, 1, 8, 16, 4, 8, 1)})
     on = replace(space, tiles={**space.tiles, "wgmma_producer_tiles": sorted(shapes)})
     monkeypatch.setattr(sched, "load_space", lambda arch: on if arch == 90 else load_space(arch))
     assert not any(c.tile.wgc for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
@@ -506,9 +507,11 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
         cands = candidates(90, fmt, n, k)
         wc = [c for c in cands if c.tile.wgc]
         assert {c.kplan for c in wc} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
-        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring) for c in wc} == shapes
+        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring, c.tile.l2_ahead)
+                for c in wc} == {(*t, 0)[:7] for t in shapes}
         for c in wc:
             assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_xr{c.tile.x_ring}_" in c.name
+            assert ("_pf1_" in c.name) == bool(c.tile.l2_ahead)
             assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + 1) and c.target == "90a"
             assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
             tiles = c.tile.warps_n
@@ -532,4 +535,11 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     nvrtc_compile(cu, tmp_path / f"{base.name}.ptx", "90a")
     ptx = (tmp_path / f"{base.name}.ptx").read_text()
     assert "wgmma.mma_async" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx and "fence.proxy.async" in ptx
-    assert "mma.sync" not in ptx
+    assert "mma.sync" not in ptx and "prefetch.L2" not in ptx
+    # and the weight warp's L2 prefetch ahead of its ring (names `_pf1`)
+    pf = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.wgc and c.tile.l2_ahead)
+    assert "static constexpr bool L2_AHEAD = true;" in (src := render_kernel(pf))
+    cu = tmp_path / f"{pf.name}.cu"
+    cu.write_text(src)
+    nvrtc_compile(cu, tmp_path / f"{pf.name}.ptx", "90a")
+    assert "cp.async.bulk.prefetch.L2" in (tmp_path / f"{pf.name}.ptx").read_text()

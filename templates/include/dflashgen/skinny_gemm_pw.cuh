@@ -49,6 +49,7 @@ struct CfgXRing<C, void_t<decltype(C::X_RING)>> {
 template <class Cfg>
 struct PwBaseCfg : Cfg {
   static constexpr int STAGES = Cfg::STAGES < PAD_GROUPS ? Cfg::STAGES : PAD_GROUPS;
+  static constexpr bool L2_AHEAD = false;  // a WGC tile's L2_AHEAD is its weight warp's (produce_weights)
 };
 
 template <class Cfg>
@@ -62,6 +63,9 @@ struct SkinnyGemmPw {
   static constexpr bool WGC = CfgWgc<Cfg>::value;
   static constexpr int PW = CfgProducers<Cfg>::value;  // producer warps (WGC: of the activations)
   static constexpr int XR = CfgXRing<Cfg>::value;      // WGC: the activation ring's depth
+  // WGC: the weight warp also prefetches into L2 each warp tile's next PF_GROUPS groups past the ring
+  static constexpr bool PF = CfgL2Ahead<Cfg>::value;
+  static constexpr int PF_GROUPS = 8;
   // the consumers, the producer warps, and (WGC) the weight warp
   static constexpr int THREADS = 32 * WN + 32 * PW + (WGC ? 32 : 0);
   static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
@@ -70,6 +74,7 @@ struct SkinnyGemmPw {
   // each activation warp owns slots pw, pw + PW, ... and waits on them in order (a slot two warps share
   // could be waited on two phases ahead, which a parity wait cannot tell from the phase before)
   static_assert(!WGC || XR % PW == 0, "the activation ring: a multiple of the activation warps");
+  static_assert(WGC || !PF, "L2_AHEAD producer tiles: the WGC weight warp's prefetch");
   static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
                 "a producer tile is a serial x_smem tile: one CTA walks every K worker");
   static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
@@ -159,7 +164,9 @@ struct SkinnyGemmPw {
   // groups are consecutive 512-byte (64-byte) blocks, so each tile's source is computed once and
   // advanced per group (session 16's first weight warp spent ~130 instructions per group on 64-bit
   // address math, and ncu had the consumers waiting on weights with the ring never full; 1-D bulk
-  // copies instead were slower still).
+  // copies instead were slower still). PF (names `_pf1`): every PF_GROUPS groups, lane t < WN also
+  // prefetches warp tile t's weights and scales of the PF_GROUPS groups after the ring's reach into L2
+  // (one contiguous range each), so the ring's copies meet L2 rather than DRAM latency.
   __device__ static void produce_weights(const uint4* __restrict__ wq, const void* __restrict__ wscale, char* smem,
                                          unsigned sb, int lane) {
     const int tile0 = blockIdx.y * WN;
@@ -173,9 +180,24 @@ struct SkinnyGemmPw {
       w[t] = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
       sc[t] = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
     }
+    // PF: lane t < WN's warp tile, group 0 (its weights and scales are contiguous over the groups)
+    const size_t pf_tg = static_cast<size_t>(min(tile0 + lane, TILES - 1)) * G;
+    const char* pf_w = reinterpret_cast<const char*>(wq + pf_tg * 32);
+    const char* pf_s = static_cast<const char*>(wscale) + pf_tg * 64;
+    if constexpr (PF)  // the ring's first reach: groups [0, ST) of every tile
+      if (lane < WN) {
+        prefetch_l2(pf_w, min(ST, G) * 512);
+        if constexpr (NVFP4) prefetch_l2(pf_s, min(ST, G) * 64);
+      }
 #pragma unroll 1
     for (int a = 0; a < G; ++a) {
       const int s = a % ST;
+      if constexpr (PF)
+        if (a % PF_GROUPS == 0 && lane < WN && a + ST < G) {
+          const int n = min(PF_GROUPS, G - a - ST);  // groups a + ST .. a + ST + n - 1 of tile `lane`
+          prefetch_l2(pf_w + (a + ST) * 512, n * 512);
+          if constexpr (NVFP4) prefetch_l2(pf_s + (a + ST) * 64, n * 64);
+        }
       if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
       char* st = smem + s * STAGE;
 #pragma unroll
