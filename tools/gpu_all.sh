@@ -82,7 +82,7 @@ R)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
   # builds only the raced problems' kernels (with --only: the named ones and the table's)
-  timeout 300 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1
+  timeout 540 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1  # and --timeout per problem
   echo "race rc $?"; tail -40 "$R/race.txt"
   pack
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;

@@ -9,6 +9,8 @@ chooses plans); this shows the per-plan numbers tune does not keep.
 
 --only keeps, of each problem's kernels, those whose names match REGEX and those the committed table
 serves (built: the same set), the served ones first (each K plan's bitwise anchor is its first kernel).
+Each problem substring runs in a process of its own under --timeout seconds (default 150), so a kernel
+that hangs (session 16: an mbarrier ring misconfigured) costs its problem, reported as HANG, not the race.
 
 A problem substring matches keys like sm90/nvfp4/store/n34816/k5120 (default: NVFP4 and FP8
 gate_up, store and fused SiLU, at TP1).
@@ -19,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 DEFAULT = ["nvfp4/store/n34816/k5120", "nvfp4/silu/n34816/k5120", "fp8_channel/store/n34816/k5120"]
@@ -32,18 +37,38 @@ def served_kernels(problem: str) -> set[str]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("problems", nargs="*", default=DEFAULT)
+    ap.add_argument("--ms", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="kernel-name regex (and the table's kernels): race just those")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per problem substring (own process)")
+    ap.add_argument("--inline", action="store_true", help="race in this process (what each child does)")
+    args = ap.parse_args()
+    if args.inline:
+        out = race(args)
+    else:
+        out = []
+        for prob in args.problems:
+            with tempfile.TemporaryDirectory() as tmp:
+                child = Path(tmp) / "race.json"
+                cmd = [sys.executable, __file__, prob, "--ms", *map(str, args.ms), "--json", str(child), "--inline"]
+                try:
+                    subprocess.run(cmd + (["--only", args.only] if args.only else []), timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"HANG {prob}: no result within {args.timeout:.0f} s (killed)", flush=True)
+                out += json.loads(child.read_text()) if child.exists() else []
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+def race(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from dflashgen.timing import copies_for, read_bandwidth
     from dflashgen.tune import Problem, _weights, time_baselines, time_kernel
     from dflashgen.verify import native_kernels, verify_problem
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("problems", nargs="*", default=DEFAULT)
-    ap.add_argument("--ms", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--only", default=None, help="kernel-name regex (and the table's kernels): race just those")
-    args = ap.parse_args()
     dev = torch.device("cuda")
     # build and load only these problems' kernels (with --only: those it names and the table's)
     probs = "|".join(re.escape(p.replace("fp8_channel", "fp8").replace("/", "_")) for p in args.problems)
@@ -89,8 +114,7 @@ def main() -> None:
             for plan, (us, name) in sorted(best.items(), key=lambda kv: kv[1][0]):
                 tag = "wgmma" if json.loads(plan).get("wgmma") else "mma.sync"
                 print(f"  {tag:<9}{us:9.2f} us {nbytes / (us * 1e3) / bw:6.0%}  {name}")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":
