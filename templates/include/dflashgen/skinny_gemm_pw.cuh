@@ -353,10 +353,15 @@ struct SkinnyGemmPw {
     float acc[1][NT8][T::NACC];
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
     auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
+    // A slot's descriptors differ from slot 0's in the start address field (bits 0-13, 16-byte units)
+    // alone, which no offset inside shared memory carries out of: only the low word is computed.
     const uint64_t desc0 = L::desc_base() + (((sb + x_at(0)) >> 4) & 0x3FFF);
+    const uint32_t desc0_lo = static_cast<uint32_t>(desc0);
+    const uint64_t desc0_hi = desc0 & ~uint64_t{0xFFFFFFFFu};
     typename T::Frag frag[2];
-    auto load = [&](const int a, typename T::Frag& f) {
-      const int s = a % ST;
+    // (ring slots and phases from unsigned group indices: a shift and a mask where the depth is a power of 2)
+    auto load = [&](const unsigned a, typename T::Frag& f) {
+      const unsigned s = a % ST;
       mbar_wait(full(sb, s), (a / ST) & 1);
       const char* st = smem + s * STAGE;
       const uint4 wv = lds128(reinterpret_cast<const uint4*>(st + W_OFF) + wn * 32 + lane);
@@ -381,15 +386,15 @@ struct SkinnyGemmPw {
     };
     // group a's MMAs on frag[CUR]; then group a - 1 is retired (LAST: everything is) and its stage
     // released (each group's stage is released one step later, by every consumer lane)
-    auto step = [&](auto cur_c, auto last_c, const int a) {
+    auto step = [&](auto cur_c, auto last_c, const unsigned a) {
       constexpr int cur = decltype(cur_c)::value;
       constexpr bool last = decltype(last_c)::value;
-      const unsigned xs = static_cast<unsigned>((a % XR) * X_BYTES);
+      const uint32_t lo = desc0_lo + (a % XR) * (X_BYTES >> 4);
       fence_acc();
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
-        wgmma_rs<Cfg::ROWS>(frag[cur].a[ks], desc0 + ((xs + ks * L::KSTEP) >> 4), acc[0]);
+        wgmma_rs<Cfg::ROWS>(frag[cur].a[ks], desc0_hi | (lo + ks * (L::KSTEP >> 4)), acc[0]);
       cute::warpgroup_commit_batch();
       if constexpr (last) cute::warpgroup_wait<0>();
       else cute::warpgroup_wait<1>();
