@@ -219,7 +219,9 @@ class KernelSpec:
             tiles = self.tile.warps_n * self.tile.warp_nt
             w_stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0)
             x_stage = self.tile.rows * self.kplan.k_group * 2
-            if self.tile.wgc:  # a weight ring of `stages` and an activation ring of x_ring groups
+            if self.tile.wgc:  # a weight ring of `stages`, an activation ring of x_ring groups; the running
+                # sums in registers without split-K
+                fold = fold if self.kplan.split_k > 1 else 0
                 return self.tile.stages * w_stage + self.tile.x_ring * x_stage + fold + 16 * (self.tile.stages
                                                                                                + self.tile.x_ring)
             return self.tile.stages * (w_stage + x_stage) + fold + 16 * self.tile.stages

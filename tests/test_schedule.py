@@ -516,7 +516,7 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
             assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
             tiles = c.tile.warps_n
             w_stage, x_stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0), c.tile.rows * c.kplan.k_group * 2
-            fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * (1 + (c.kplan.split_k > 1))
+            fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * 2 if c.kplan.split_k > 1 else 0  # else in registers
             assert c.smem_bytes() == c.tile.stages * (w_stage + 16) + c.tile.x_ring * (x_stage + 16) + fold
             d = c.to_dict()
             assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c

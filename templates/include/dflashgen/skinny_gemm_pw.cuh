@@ -86,11 +86,12 @@ struct SkinnyGemmPw {
   static constexpr int W_OFF = 0, S_OFF = W_OFF + WN * NT * 32 * 16;
   static constexpr int W_BYTES = S_OFF + (NVFP4 ? WN * NT * 64 : 0), X_BYTES = XCHUNKS * 16;
   static constexpr int STAGE = WGC ? W_BYTES : W_BYTES + X_BYTES;
-  // Then the running sums (Base's fold layout: tot, and spl with split-K), then the mbarriers: full[ST],
-  // empty[ST] (WGC: of the weight ring, then xfull[XR], xempty[XR]).
+  // Then the running sums (Base's fold layout: tot, and spl with split-K; none for a WGC tile without
+  // split-K, whose consumers keep them in registers), then the mbarriers: full[ST], empty[ST] (WGC: of
+  // the weight ring, then xfull[XR], xempty[XR]).
   static constexpr int SPL = Base::SPL;
   static constexpr int FOLD_OFF = ST * STAGE + XR * X_BYTES, FOLD = WN * ACC * 32 * 4;
-  static constexpr int BAR_OFF = FOLD_OFF + (1 + SPL) * FOLD;
+  static constexpr int BAR_OFF = FOLD_OFF + (WGC && !SPL ? 0 : 1 + SPL) * FOLD;
   static constexpr int SMEM = BAR_OFF + 16 * (ST + XR);
   static_assert(STAGE % 16 == 0 && FOLD % 16 == 0, "16-byte aligned stage and fold blocks");
   // The fold region viewed as Base::fold_worker's `smem.x` (tot, and spl only with split-K); sums(): the
@@ -344,14 +345,16 @@ struct SkinnyGemmPw {
   // frag[a % 2], commit; retire group a - 1 (wait_group 1) and release its activation slot; then wait
   // for group a + 1's weights, decode them into the other fragment buffer (releasing their slot: they
   // are in registers) and wait for its activations, while group a runs. At the range's end everything
-  // retires and the worker's sums fold in the plan's order (Base::fold_worker), as in consume. Control
+  // retires and the worker's sums fold in the plan's order (Base::fold_worker's additions; without
+  // split-K in registers, not through shared memory: 8 folds per CTA on the wk8 plans cost ~20% of
+  // the main loop's instructions there, session 16 ncu), as in consume. Control
   // flow around the wgmmas is warp-uniform by construction (every lane arrives on the barriers; no
   // per-group branch on the fold), else ptxas serializes them (C7518).
   __device__ static void consume_wg(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
                                     char* smem, unsigned sb, int wn, int lane) {
     constexpr int KSTEPS = T::KG / 16;
-    float acc[1][NT8][T::NACC];
-    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
+    float acc[1][NT8][T::NACC], tot[1][NT8][T::NACC];  // tot: the running sums without split-K
+    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = tot[i][j][e] = 0.0f; });
     auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
     // A slot's descriptors differ from slot 0's in the start address field (bits 0-13, 16-byte units)
     // alone, which no offset inside shared memory carries out of: only the low word is computed.
@@ -418,13 +421,22 @@ struct SkinnyGemmPw {
       } else {
         step(IntC<0>{}, IntC<true>{}, a);
       }
-      Base::fold_worker(acc, v, wn, lane, fold);
+      if constexpr (SPL) {
+        Base::fold_worker(acc, v, wn, lane, fold);
+      } else {
+        Base::each_acc([&](int i, int j, int e) {  // fold_worker's additions (worker v = w, one split)
+          tot[i][j][e] = v == 0 ? acc[i][j][e] : tot[i][j][e] + acc[i][j][e];
+          acc[i][j][e] = 0.0f;
+        });
+      }
     }
     pdl_launch_dependents();
-    const float(&sums)[WN][ACC][32] = fold.x.sums();
-    Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
+    if constexpr (SPL) {
+      const float(&sums)[WN][ACC][32] = fold.x.sums();
+      Base::each_acc([&](int i, int j, int e) { tot[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
+    }
     const int tile0 = blockIdx.y * WN + wn;
-    if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
+    if (tile0 < TILES) Base::epilogue(tot, tile0, m0, M, col_scale, out);
   }
 #endif  // DFLASHGEN_WGMMA
 };
