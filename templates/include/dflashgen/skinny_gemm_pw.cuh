@@ -108,6 +108,8 @@ struct SkinnyGemmPw {
   struct FoldView {
     typename Select<SPL, FoldSpl, FoldTot>::type x;
   };
+  // the running sums as Base::fold_worker addresses them (smem.x.tot / .spl [warp][element][lane])
+  __device__ static FoldView& fold_view(char* smem) { return *reinterpret_cast<FoldView*>(smem + FOLD_OFF); }
   // the mbarriers of ring slot s (`sb`: the shared-window address of the dynamic shared memory)
   __device__ static unsigned full(unsigned sb, int s) { return sb + BAR_OFF + 8 * s; }
   __device__ static unsigned empty(unsigned sb, int s) { return sb + BAR_OFF + 8 * (ST + s); }
@@ -258,8 +260,6 @@ struct SkinnyGemmPw {
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
     int xoff[T::KSUB];
     Base::xs_lane_offsets(xoff);
-    // The running sums as Base::fold_worker addresses them (smem.x.tot / .spl [warp][element][lane])
-    auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
     int v = 0, vend = G / WORKERS;  // the worker whose range the walk is in, and where that range ends
 #pragma unroll 1
     for (int a = 0; a < G; ++a) {
@@ -278,13 +278,13 @@ struct SkinnyGemmPw {
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(sb, s));  // the MMAs consumed every read of the stage
       if (a + 1 == vend) {  // worker v's last group: fold its sums in the plan's order
-        Base::fold_worker(acc, v, wn, lane, fold);
+        Base::fold_worker(acc, v, wn, lane, fold_view(smem));
         ++v;
         vend = (v + 1) * G / WORKERS;
       }
     }
     pdl_launch_dependents();
-    const float(&sums)[WN][ACC][32] = fold.x.sums();
+    const float(&sums)[WN][ACC][32] = fold_view(smem).x.sums();
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
     const int tile0 = (blockIdx.y * WN + wn) * NT;
     if (tile0 < TILES) Base::epilogue(acc, tile0, m0, M, col_scale, out);
@@ -355,7 +355,6 @@ struct SkinnyGemmPw {
     constexpr int KSTEPS = T::KG / 16;
     float acc[1][NT8][T::NACC], tot[1][NT8][T::NACC];  // tot: the running sums without split-K
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = tot[i][j][e] = 0.0f; });
-    auto& fold = *reinterpret_cast<FoldView*>(smem + FOLD_OFF);
     // A slot's descriptors differ from slot 0's in the start address field (bits 0-13, 16-byte units)
     // alone, which no offset inside shared memory carries out of: only the low word is computed.
     const uint64_t desc0 = L::desc_base() + (((sb + x_at(0)) >> 4) & 0x3FFF);
@@ -422,7 +421,7 @@ struct SkinnyGemmPw {
         step(IntC<0>{}, IntC<true>{}, a);
       }
       if constexpr (SPL) {
-        Base::fold_worker(acc, v, wn, lane, fold);
+        Base::fold_worker(acc, v, wn, lane, fold_view(smem));
       } else {
         Base::each_acc([&](int i, int j, int e) {  // fold_worker's additions (worker v = w, one split)
           tot[i][j][e] = v == 0 ? acc[i][j][e] : tot[i][j][e] + acc[i][j][e];
@@ -432,7 +431,7 @@ struct SkinnyGemmPw {
     }
     pdl_launch_dependents();
     if constexpr (SPL) {
-      const float(&sums)[WN][ACC][32] = fold.x.sums();
+      const float(&sums)[WN][ACC][32] = fold_view(smem).x.sums();
       Base::each_acc([&](int i, int j, int e) { tot[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
     }
     const int tile0 = blockIdx.y * WN + wn;
