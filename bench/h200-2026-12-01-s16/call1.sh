@@ -2,10 +2,7 @@
 # Session 16 call 1 (run from the repo root on the H200, carry .build): the GPU tests on the tree
 # as committed, then (on the device's copy only) the WGC tiles switched on (wgc-tiles-on.diff), raced
 # against the served tiles and profiled. Everything lands in $OUT/results.tgz.
-set -uo pipefail
-D=bench/h200-2026-12-01-s16; R=$(mktemp -d)
-trap 'tar czf "$OUT/results.tgz" -C "$R" .' EXIT
-source tools/gpu_env.sh
+source bench/h200-2026-12-01-s16/prelude.sh
 OUT=$R STEPS="build pytest" bash tools/gpu_session.sh > "$R/session.log" 2>&1; tail -4 "$R/session.log"
 git apply "$D/wgc-tiles-on.diff" && dflashgen generate | tail -1
 timeout 120 dflashgen build --arch 90 -j 16 -q --only 'nvfp4_store_n34816_k5120|nvfp4_store_n14336_k5120' 2>&1 | tail -2

@@ -3,12 +3,7 @@
 # multiple of the activation warps (call 2's x_ring 3 with 2 / 4 warps let a warp wait two phases
 # ahead on a shared slot: it hung), built and raced on just the WGC tiles, the table's kernels of
 # those problems and n14336's best serial tile (wgmma_race.py --only).
-set -uo pipefail
-D=bench/h200-2026-12-01-s16; R=$(mktemp -d)
-trap 'tar czf "$OUT/results.tgz" -C "$R" .' EXIT
-source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-git apply "$D/wgc-split-rings-on.diff" && dflashgen generate | tail -1
+SWITCH=wgc-split-rings-on.diff source bench/h200-2026-12-01-s16/prelude.sh
 timeout 150 dflashgen build --arch 90 -j 16 -q --only "$(cat $D/call3-build.regex)" 2>&1 | tail -2
 timeout 200 python3 tools/wgmma_race.py nvfp4/store/n34816 nvfp4/store/n14336 fp8_channel/store/n14336 --ms 32 64 \
   --only 'wc1|n14336_k5120_sk1_wk8_kg64_r32_nt2_wn4_st3_xa0_xs1_sw1_mb1' --json "$R/race.json" > "$R/race.txt" 2>&1

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Session 16 call 5 (repo root on the H200, carry .build): call 4's race on NVFP4 n14336 / n34816 with
 # the WGC weight warp issuing bulk copies (cp.async.bulk, one lane) instead of per-lane cp.async.
-set -uo pipefail
-D=bench/h200-2026-12-01-s16; R=$(mktemp -d)
-trap 'tar czf "$OUT/results.tgz" -C "$R" .' EXIT
-source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-git apply "$D/wgc-split-rings-on.diff" && dflashgen generate | tail -1
+SWITCH=wgc-split-rings-on.diff source bench/h200-2026-12-01-s16/prelude.sh
 timeout 170 python3 tools/wgmma_race.py nvfp4/store/n34816 nvfp4/store/n14336 --ms 32 64 \
   --only 'wc1|n14336_k5120_sk1_wk8_kg64_r32_nt2_wn4_st3_xa0_xs1_sw1_mb1' --json "$R/race.json" > "$R/race.txt" 2>&1
 echo "race rc $?"; tail -30 "$R/race.txt"
