@@ -117,8 +117,10 @@ def test_wgmma_kernel_renders_its_plan_and_only_it_includes_wgmma() -> None:
     assert "#define DFLASHGEN_WGMMA 1" in src and "static constexpr bool WGMMA = true;" in src
     assert "wgmma.m64nNk16" in src and "wgmma=1" in src
     assert "static constexpr int WARPS_N = 4;" in src and "static constexpr bool X_SMEM = true;" in src
-    # mma.sync kernels of the same problem render exactly as before the wgmma plans existed
-    for c in (c for c in cands if not c.kplan.wgmma):
+    # mma.sync kernels of the same problem render exactly as before the wgmma plans existed (the
+    # wgmma-consumer producer tiles, on the mma.sync plans, are wgmma kernels of their own)
+    assert any(c.tile.wgc for c in cands)
+    for c in (c for c in cands if not c.kplan.wgmma and not c.tile.wgc):
         s = render_kernel(c)
         assert "WGMMA" not in s and "wgmma" not in s
 
@@ -129,7 +131,10 @@ def test_wgmma_manifest_entries_carry_the_sm90a_target() -> None:
     kernels = load_manifest()["kernels"]
     wg = [k for k in kernels if k["kplan"].get("wgmma")]
     assert wg and all(k["arch"] == 90 and k["target"] == "90a" and "_wg1_" in k["name"] for k in wg)
-    assert all("target" not in k and "_wg1_" not in k["name"] for k in kernels if not k["kplan"].get("wgmma"))
+    wc = [k for k in kernels if k["tile"].get("wgc")]  # wgmma consumers on an mma.sync plan
+    assert wc and all(k["arch"] == 90 and k["target"] == "90a" and "_wc1_" in k["name"] for k in wc)
+    assert all("target" not in k and "_wg1_" not in k["name"]
+               for k in kernels if not k["kplan"].get("wgmma") and not k["tile"].get("wgc"))
     # every wgmma problem has a tile for every M bucket (rows 8..64) in its one plan
     by_problem: dict[str, set[int]] = {}
     for k in wg:

@@ -497,9 +497,9 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     from dflashgen.toolchain import nvrtc_compile
     from dflashgen.tune import spec_of
 
-    space = load_space(90)  # the space's list, or (off, as committed since session 15) two shapes switched on here
+    space = load_space(90)  # the space's list plus shapes that exercise every option (wn4, x_ring 4, `_pf1`)
     shapes = ({tuple(t) for t in space.tiles["wgmma_producer_tiles"]}
-              or {(64, 1, 4, 12, 4, 4), (32, 1, 8, 8, 2, 4), (64, 1, 8, 16, 4, 8, 1)})
+              | {(64, 1, 4, 12, 4, 4), (32, 1, 8, 8, 2, 4), (64, 1, 8, 16, 4, 8, 1)})
     on = replace(space, tiles={**space.tiles, "wgmma_producer_tiles": sorted(shapes)})
     monkeypatch.setattr(sched, "load_space", lambda arch: on if arch == 90 else load_space(arch))
     assert not any(c.tile.wgc for a in (70, 80) for c in candidates(a, "nvfp4", 34816, 5120))
