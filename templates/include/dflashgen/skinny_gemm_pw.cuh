@@ -121,7 +121,9 @@ struct SkinnyGemmPw {
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
                              __half* __restrict__ out, char* smem) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // the warp index broadcast from lane 0: ptxas then knows it is warp-uniform, so the role branches
+    // are uniform and each role's ring indices, slots and descriptors can live in uniform registers
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
     const int m0 = blockIdx.x * Cfg::ROWS;
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
@@ -375,10 +377,10 @@ struct SkinnyGemmPw {
       for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
         for (int q = 0; q < 4; ++q) cute::warpgroup_fence_operand(f.a[ks][q]);
+      // the slot's STS writes reach the async proxy through their writers' fence.proxy.async before
+      // the xfull arrival (produce_wg), acquired here: no fence on this side (it cost a MEMBAR.ALL.CTA
+      // per group, session 17)
       mbar_wait(xfull(sb, a % XR), (a / XR) & 1);
-      // the slot's STS writes (generic proxy), acquired through the barrier, ordered before this
-      // thread's wgmmas read it through the async proxy
-      fence_proxy_async_smem();
     };
     auto fence_acc = [&]() {
 #pragma unroll
