@@ -19,7 +19,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +59,9 @@ def spec_of(entry: dict[str, Any]) -> KernelSpec:
     """The schedule's KernelSpec behind a manifest entry (missing knobs at their defaults)."""
     kp, t = entry["kplan"], entry["tile"]
     lay = Layout(entry["arch"], entry["format"], entry["n"], entry["k"])
-    tile = Tile(rows=t["rows"], warp_nt=t["warp_nt"], warps_n=t.get("warps_n", 2), stages=t.get("stages", 3),
-                min_blocks=t.get("min_blocks", 1), x_ahead=t.get("x_ahead", 1), x_smem=t.get("x_smem", 0),
-                wsplit=t.get("wsplit", 0), w_async=t.get("w_async", 0),
-                l2_ahead=t.get("l2_ahead", 0), serial=t.get("serial", 0), producer=t.get("producer", 0),
-                wgc=t.get("wgc", 0), x_ring=t.get("x_ring", 0))
+    # knobs a manifest entry leaves out (it drops those at their off value) take the Tile's defaults;
+    # the earliest entries also left out warps_n and stages
+    tile = Tile(**{"warps_n": 2, "stages": 3, **{f.name: t[f.name] for f in fields(Tile) if f.name in t}})
     threads = entry.get("threads", 32 * tile.warps_n * kp.get("warps_k", 1))
     plan = KPlan(split_k=kp.get("split_k", 1), warps_k=kp.get("warps_k", threads // (32 * tile.warps_n)),
                  k_group=kp.get("k_group", lay.k_group), wgmma=kp.get("wgmma", 0))
