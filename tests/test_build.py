@@ -202,3 +202,23 @@ def test_ncu_stalls_ranks_sass_lines_by_stall_samples(tmp_path: Path, monkeypatc
     assert out.index("HMMA 79.5%") < out.index("F2FP 19.9%") < out.index("LDG 0.7%")
     top = out.splitlines()[-2:]  # --top 2: HMMA first, with its largest reason first
     assert "HMMA" in top[0] and "stall_wait 1180" in top[0] and "F2FP" in top[1] and "LDG" not in out.split("\n\n")[-1]
+
+
+def test_ncu_stalls_counts_mbarrier_retries(tmp_path: Path, monkeypatch, capsys) -> None:
+    """tools/ncu_stalls.py: each mbarrier try-wait with its executions, the out-of-line retry loops
+    (past the last EXIT) marked, and the retries' share of all executed instructions."""
+    csv = tmp_path / "r.csv"
+    csv.write_text(
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+        '"0010","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1+0x19000], R2","5","100"\n'
+        '"0020","@!P0 BRA 0x0040","1","100"\n'
+        '"0030","EXIT","0","10"\n'
+        '"0040","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1+0x19000], R2","0","2,500"\n'
+        '"0050","@!P0 BRA 0x0040","0","2,500"\n'
+        '"0060","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1+0x19040], R2","0","0"\n')
+    monkeypatch.setattr(sys, "argv", ["ncu_stalls.py", str(csv)])
+    _tool("ncu_stalls").main()
+    waits = capsys.readouterr().out.split("mbarrier try-waits")[1].splitlines()
+    assert "retries are 96.0% of executed instructions" in waits[0]  # 2 x 2500 of 5210
+    assert waits[1].split()[:2] == ["inline", "100"] and waits[2].split()[:2] == ["retry", "2500"]
+    assert len(waits) == 3  # a try-wait never executed is not listed

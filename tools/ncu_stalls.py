@@ -6,7 +6,11 @@ collected with `--section SourceCounters` (warp-state PC sampling), exported as 
 
 Prints the instructions with the most stall samples, each with its largest stall reasons, and the
 totals per opcode (e.g. whether the L1TEX waits sit on the weight loads, the activation loads or the
-scale loads). Columns are found by name, so minor ncu version differences do not matter.
+scale loads); then every mbarrier try-wait with its execution count: ptxas puts a wait's first try
+inline and its retry loop out of line past the kernel's last EXIT, so a retry line's count over its
+inline twin's is how often that wait timed out and went round again (a warp that waits long retries
+often and spends issue slots doing it; session 18 found the WGC consumers retrying ~25 times per
+weight wait). Columns are found by name, so minor ncu version differences do not matter.
 """
 
 from __future__ import annotations
@@ -60,6 +64,25 @@ def main() -> None:
         why = ", ".join(f"{c.strip()} {v:.0f}" for v, c in top if v)
         print(f"{100 * _num(r[total_col]) / total:5.1f}%  {r.get(addr_col, '') if addr_col else '':>8}  "
               f"{r[src_col].strip()[:60]}  ({why})")
+    _mbarrier_waits(rows, src_col, next((c for c in cols if c.strip() == "Instructions Executed"), None))
+
+
+def _mbarrier_waits(rows: list[dict[str, str]], src_col: str, exec_col: str | None) -> None:
+    """Each mbarrier try-wait's executions, the out-of-line retries marked, and the retries' share of
+    all executed instructions (a retry is the try-wait and its branch back)."""
+    if exec_col is None:
+        return
+    last_exit = max((i for i, r in enumerate(rows) if "EXIT" in r[src_col]), default=len(rows))
+    waits = [(i, r) for i, r in enumerate(rows) if "TRYWAIT" in r[src_col] and _num(r[exec_col])]
+    if not waits:
+        return
+    executed = sum(_num(r[exec_col]) for r in rows) or 1.0
+    retries = sum(_num(r[exec_col]) for i, r in waits if i > last_exit)
+    print(f"\nmbarrier try-waits (executions; 'retry': the out-of-line loop): retries are "
+          f"{100 * 2 * retries / executed:.1f}% of executed instructions")
+    for i, r in waits:
+        kind = "retry " if i > last_exit else "inline"
+        print(f"  {kind} {_num(r[exec_col]):>10.0f}  {r[src_col].strip()[:70]}")
 
 
 if __name__ == "__main__":
