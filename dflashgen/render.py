@@ -59,7 +59,7 @@ def render_kernel(spec: KernelSpec) -> str:
         rows=spec.tile.rows, warp_nt=spec.tile.warp_nt, warps_n=spec.tile.warps_n, stages=spec.tile.stages,
         x_ahead=spec.tile.x_ahead, x_smem=spec.tile.x_smem, wsplit=spec.tile.wsplit, ctas_k=spec.ctas_k,
         w_async=spec.tile.w_async, l2_ahead=spec.tile.l2_ahead, serial=spec.tile.serial,
-        producer=spec.tile.producer, wgc=spec.tile.wgc, x_ring=spec.tile.x_ring,
+        producer=spec.tile.producer, wgc=spec.tile.wgc, x_ring=spec.tile.x_ring, w_warps=spec.tile.w_warps,
         pw_min_blocks=max(1, spec.launch_min_blocks),
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",

@@ -110,6 +110,9 @@ class Tile:
     # `stages` groups deep, filled by one more warp, so weight bytes in flight do not cost activation
     # stages (8 KB each at 64 rows)
     x_ring: int = 0
+    # a wgc tile's weight-ring warps (names `_ww<n>` when > 1; 0: one), each copying warps_n / n of the
+    # warp tiles' words per K group: one warp for three warpgroups' tiles left their consumers waiting
+    w_warps: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,9 +165,9 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
-        # (a producer tile: plus its producer warps; wgc: plus the weight-ring warp, skinny_gemm_pw.cuh)
+        # (a producer tile: plus its producer warps; wgc: plus the weight-ring warps, skinny_gemm_pw.cuh)
         return (32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma + 32 * self.tile.producer
-                + 32 * self.tile.wgc)
+                + 32 * max(1, self.tile.w_warps) * self.tile.wgc)
 
     @property
     def target(self) -> str:
@@ -184,7 +187,7 @@ class KernelSpec:
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
                 f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
-                f"{f'_xr{t.x_ring}' if t.wgc else ''}_mb{t.min_blocks}")
+                f"{f'_xr{t.x_ring}' if t.wgc else ''}{f'_ww{t.w_warps}' if t.w_warps > 1 else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -274,6 +277,8 @@ class KernelSpec:
             del tile["wgc"]
         if not self.tile.x_ring:
             del tile["x_ring"]
+        if not self.tile.w_warps:
+            del tile["w_warps"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -434,6 +439,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         # each activation warp then owns x_ring / producer slots and waits on them in order; a slot
         # shared by two warps could be waited on two phases ahead, which an mbarrier parity cannot tell
         return f"x_ring={t.x_ring} not a multiple of the {t.producer} activation warps"
+    if t.w_warps and (not t.wgc or t.warps_n % t.w_warps):
+        return f"w_warps={t.w_warps}: the weight warps of a wgc tile, dividing its warps_n={t.warps_n} tiles"
     if t.rows % 8 or t.rows > space.max_m:
         return f"rows={t.rows} must be a multiple of 8 and <= max_m={space.max_m}"
     if tiles % t.warp_nt:
@@ -460,8 +467,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
         key = _shape_list(t)
         listed = [s for s in space.tiles.get(key, [])
-                  if s[:4] == shape and (not t.wgc or (*s[4:6], s[6] if len(s) > 6 else 0)
-                                         == (t.producer, t.x_ring, t.l2_ahead))]
+                  if s[:4] == shape and (not t.wgc or (*s[4:6], s[6] if len(s) > 6 else 0, s[7] if len(s) > 7 else 0)
+                                         == (t.producer, t.x_ring, t.l2_ahead, t.w_warps))]
         if t.wgc:
             listed = [s[:4] for s in listed]  # producer warps, activation ring, L2 prefetch: not thread caps
         if t.x_ahead or not listed:
@@ -512,8 +519,11 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return "mma.sync producer tiles have one producer warp"
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
-    if spec.threads > space.limits["max_threads"]:
-        return f"{spec.threads} threads > {space.limits['max_threads']}"
+    # wgc tiles: three consumer warpgroups + 4 activation warps + the weight warp = 544 threads (their
+    # registers, not a thread cap, bound them: 65536 / 544 = 120 per thread)
+    max_threads = space.limits.get("wgc_max_threads", 512) if t.wgc else space.limits["max_threads"]
+    if spec.threads > max_threads:
+        return f"{spec.threads} threads > {max_threads}"
     # an mma.sync x_smem ring may take dynamic shared memory up to the opt-in limit (dyn_smem_bytes)
     dyn = t.x_smem and not spec.kplan.wgmma
     smem_limit = max(space.limits["smem_bytes"], space.limits.get("dyn_smem_bytes", 0) if dyn else 0)
@@ -662,7 +672,8 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
             wgc = int(key == "wgmma_producer_tiles")
             tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa,
                         producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0,
-                        l2_ahead=extra[2] if wgc and len(extra) > 2 else 0)
+                        l2_ahead=extra[2] if wgc and len(extra) > 2 else 0,
+                        w_warps=extra[3] if wgc and len(extra) > 3 else 0)
             c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
             if illegal_reason(c) is None and c not in out:
                 out.append(c)

@@ -507,12 +507,14 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
         cands = candidates(90, fmt, n, k)
         wc = [c for c in cands if c.tile.wgc]
         assert {c.kplan for c in wc} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
-        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring, c.tile.l2_ahead)
-                for c in wc} == {(*t, 0)[:7] for t in shapes}
+        assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring, c.tile.l2_ahead,
+                 c.tile.w_warps) for c in wc} == {(*t, 0, 0)[:8] for t in shapes}
         for c in wc:
             assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_xr{c.tile.x_ring}_" in c.name
             assert ("_pf1_" in c.name) == bool(c.tile.l2_ahead)
-            assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + 1) and c.target == "90a"
+            assert (f"_ww{c.tile.w_warps}_" in c.name) == (c.tile.w_warps > 1)
+            ww = max(1, c.tile.w_warps)  # the weight warps
+            assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + ww) and c.target == "90a"
             assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
             tiles = c.tile.warps_n
             w_stage, x_stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0), c.tile.rows * c.kplan.k_group * 2
@@ -521,7 +523,8 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
             d = c.to_dict()
             assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c
     base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.wgc and c.kplan.split_k > 1)
-    for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8), dict(x_ring=1), dict(x_ring=3)):
+    for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8), dict(x_ring=1), dict(x_ring=3),
+                dict(w_warps=3)):  # (3 weight warps cannot split 8 warp tiles)
         assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
     for off_list in (dict(stages=base.tile.stages + 1), dict(x_ring=2 * base.tile.x_ring)):
         assert "wgmma_producer_tiles" in illegal_reason(replace(base, tile=replace(base.tile, **off_list)))
@@ -543,3 +546,11 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     cu.write_text(src)
     nvrtc_compile(cu, tmp_path / f"{pf.name}.ptx", "90a")
     assert "cp.async.bulk.prefetch.L2" in (tmp_path / f"{pf.name}.ptx").read_text()
+    # and three weight warps for three consumer warpgroups (names `_ww3`)
+    ww = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.wgc and c.tile.w_warps == 3)
+    assert "static constexpr int W_WARPS = 3;" in (src := render_kernel(ww))
+    assert "W_WARPS" not in render_kernel(base) and ww.threads == 32 * (12 + 4 + 3)
+    cu = tmp_path / f"{ww.name}.cu"
+    cu.write_text(src)
+    nvrtc_compile(cu, tmp_path / f"{ww.name}.ptx", "90a")
+    assert "wgmma.mma_async" in (tmp_path / f"{ww.name}.ptx").read_text()

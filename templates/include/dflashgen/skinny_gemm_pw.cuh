@@ -34,8 +34,8 @@
 
 namespace dflashgen {
 
-// A WGC tile's optional X_RING (its activation ring; skinny_gemm.cuh's optional members are the
-// others), and the view of its Cfg the base class gets: the base's register ring, which reads up to
+// A WGC tile's optional X_RING (its activation ring) and W_WARPS (its weight warps; skinny_gemm.cuh's
+// optional members are the others), and the view of its Cfg the base class gets: the base's register ring, which reads up to
 // STAGES groups past a worker's range into the prepack's padding, is not used here, and a WGC weight
 // ring may be deeper than that padding (it copies exactly the groups there are).
 template <class C, class = void>
@@ -45,6 +45,14 @@ struct CfgXRing {
 template <class C>
 struct CfgXRing<C, void_t<decltype(C::X_RING)>> {
   static constexpr int value = C::X_RING;
+};
+template <class C, class = void>
+struct CfgWWarps {
+  static constexpr int value = 1;
+};
+template <class C>
+struct CfgWWarps<C, void_t<decltype(C::W_WARPS)>> {
+  static constexpr int value = C::W_WARPS;
 };
 template <class Cfg>
 struct PwBaseCfg : Cfg {
@@ -66,8 +74,11 @@ struct SkinnyGemmPw {
   // WGC: the weight warp also prefetches into L2 each warp tile's next PF_GROUPS groups past the ring
   static constexpr bool PF = CfgL2Ahead<Cfg>::value;
   static constexpr int PF_GROUPS = 8;
-  // the consumers, the producer warps, and (WGC) the weight warp
-  static constexpr int THREADS = 32 * WN + 32 * PW + (WGC ? 32 : 0);
+  // WGC: the weight warps, each copying WN / WW of the warp tiles' words per K group (one warp for 12
+  // tiles left the consumers waiting on weights: session 18, one per warpgroup 11% faster at wn12)
+  static constexpr int WW = WGC ? CfgWWarps<Cfg>::value : 0;
+  // the consumers, the producer warps, and (WGC) the weight warps
+  static constexpr int THREADS = 32 * WN + 32 * PW + 32 * WW;
   static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
                 "WGC: whole warpgroups of warp_nt = 1 warps, wgmma N = rows in {16, 32, 64}");
   static_assert(WGC ? XR >= 2 : PW == 1 && XR == 0, "mma.sync producer tiles: one producer warp, one ring");
@@ -75,6 +86,7 @@ struct SkinnyGemmPw {
   // could be waited on two phases ahead, which a parity wait cannot tell from the phase before)
   static_assert(!WGC || XR % PW == 0, "the activation ring: a multiple of the activation warps");
   static_assert(WGC || !PF, "L2_AHEAD producer tiles: the WGC weight warp's prefetch");
+  static_assert(!WGC || (WW >= 1 && WN % WW == 0), "the weight warps split the warp tiles evenly");
   static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
                 "a producer tile is a serial x_smem tile: one CTA walks every K worker");
   static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
@@ -128,7 +140,7 @@ struct SkinnyGemmPw {
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
       for (int s = 0; s < ST; ++s) {
-        mbar_init(full(sb, s), 32);                   // the producer (WGC: weight) warp's cp.async arrivals
+        mbar_init(full(sb, s), WGC ? 32 * WW : 32);   // the producer (WGC: weight) warps' cp.async arrivals
         mbar_init(empty(sb, s), WGC ? 32 * WN : WN);  // WGC: every consumer lane
       }
       for (int s = 0; s < XR; ++s) {
@@ -142,8 +154,10 @@ struct SkinnyGemmPw {
     if constexpr (WGC) {
       // The weights are never written on the GPU: their warp starts before the programmatic-launch
       // wait, under the previous kernel's tail.
-      if (warp == WN + PW) {
-        produce_weights(wq, wscale, smem, sb, lane);
+      if (warp >= WN + PW) {  // weight warp ww: its tiles and stage offsets are compile-time
+        static_for<WW>([&](auto ww_c) {
+          if (warp - WN - PW == decltype(ww_c)::value) produce_weights<decltype(ww_c)::value>(wq, wscale, smem, sb, lane);
+        });
         return;
       }
     }
@@ -164,33 +178,36 @@ struct SkinnyGemmPw {
     consume(M, m0, col_scale, out, smem, sb, warp, lane);
   }
 
-  // The WGC weight warp: its 32 lanes copy each group's 16-byte weight words (and 4 lanes the 64-byte
-  // scale blocks) of every warp tile with cp.async, `stages` groups ahead, completing on `full`. A tile's
+  // WGC weight warp ww (of WW): its 32 lanes copy each group's 16-byte weight words (and 4 lanes the
+  // 64-byte scale blocks) of its WN / WW warp tiles with cp.async, `stages` groups ahead, completing on
+  // `full` (which counts every weight warp's lanes). A tile's
   // groups are consecutive 512-byte (64-byte) blocks, so each tile's source is computed once and
   // advanced per group (session 16's first weight warp spent ~130 instructions per group on 64-bit
   // address math, and ncu had the consumers waiting on weights with the ring never full; 1-D bulk
-  // copies instead were slower still). PF (names `_pf1`): every PF_GROUPS groups, lane t < WN also
-  // prefetches warp tile t's weights and scales of the PF_GROUPS groups after the ring's reach into L2
+  // copies instead were slower still). PF (names `_pf1`): every PF_GROUPS groups, lane t < WT also
+  // prefetches its warp tile t's weights and scales of the PF_GROUPS groups after the ring's reach into L2
   // (one contiguous range each), so the ring's copies meet L2 rather than DRAM latency.
+  template <int WWI>
   __device__ static void produce_weights(const uint4* __restrict__ wq, const void* __restrict__ wscale, char* smem,
                                          unsigned sb, int lane) {
-    const int tile0 = blockIdx.y * WN;
+    constexpr int WT = WN / WW, st0 = WWI * WT;  // warp tiles per weight warp; its first in the stage
+    const int tile0 = blockIdx.y * WN + st0;     // and in the grid
     // per warp tile, this lane's weight word and (lanes < 4) scale chunk at group 0; tiles past N copy the
     // last tile's (in bounds, never stored)
-    const char* w[WN];
-    const char* sc[WN];
+    const char* w[WT];
+    const char* sc[WT];
 #pragma unroll
-    for (int t = 0; t < WN; ++t) {
+    for (int t = 0; t < WT; ++t) {
       const size_t tg = static_cast<size_t>(min(tile0 + t, TILES - 1)) * G;
       w[t] = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
       sc[t] = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
     }
-    // PF: lane t < WN's warp tile, group 0 (its weights and scales are contiguous over the groups)
+    // PF: lane t < WT's warp tile, group 0 (its weights and scales are contiguous over the groups)
     const size_t pf_tg = static_cast<size_t>(min(tile0 + lane, TILES - 1)) * G;
     const char* pf_w = reinterpret_cast<const char*>(wq + pf_tg * 32);
     const char* pf_s = static_cast<const char*>(wscale) + pf_tg * 64;
     if constexpr (PF)  // the ring's first reach: groups [0, ST) of every tile
-      if (lane < WN) {
+      if (lane < WT) {
         prefetch_l2(pf_w, min(ST, G) * 512);
         if constexpr (NVFP4) prefetch_l2(pf_s, min(ST, G) * 64);
       }
@@ -198,7 +215,7 @@ struct SkinnyGemmPw {
     for (int a = 0; a < G; ++a) {
       const int s = a % ST;
       if constexpr (PF)
-        if (a % PF_GROUPS == 0 && lane < WN && a + ST < G) {
+        if (a % PF_GROUPS == 0 && lane < WT && a + ST < G) {
           const int n = min(PF_GROUPS, G - a - ST);  // groups a + ST .. a + ST + n - 1 of tile `lane`
           prefetch_l2(pf_w + (a + ST) * 512, n * 512);
           if constexpr (NVFP4) prefetch_l2(pf_s + (a + ST) * 64, n * 64);
@@ -206,10 +223,10 @@ struct SkinnyGemmPw {
       if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
       char* st = smem + s * STAGE;
 #pragma unroll
-      for (int t = 0; t < WN; ++t) {
-        cp_async16(st + W_OFF + t * 512 + 16 * lane, w[t] + a * 512);
+      for (int t = 0; t < WT; ++t) {
+        cp_async16(st + W_OFF + (st0 + t) * 512 + 16 * lane, w[t] + a * 512);
         if constexpr (NVFP4)
-          if (lane < 4) cp_async16(st + S_OFF + t * 64 + 16 * lane, sc[t] + a * 64);
+          if (lane < 4) cp_async16(st + S_OFF + (st0 + t) * 64 + 16 * lane, sc[t] + a * 64);
       }
       mbar_arrive_cp_async(full(sb, s));
     }
