@@ -113,6 +113,13 @@ class Tile:
     # a wgc tile's weight-ring warps (names `_ww<n>` when > 1; 0: one), each copying warps_n / n of the
     # warp tiles' words per K group: one warp for three warpgroups' tiles left their consumers waiting
     w_warps: int = 0
+    # 1: a wgc tile of a split-K plan with one CTA per split (grid z = split_k; names `_zs1`), each
+    # walking its split's workers; the splits meet through FP32 partials, summed by the last CTA in
+    # split order (the plan's bits) -- split_k times the CTAs of the tile that walks every split
+    z_split: int = 0
+    # 1: a wgc tile without weight warps whose consumer warps copy their own tile's words into the
+    # weight ring (cp.async, waited per thread: no full / empty barriers; names `_wsf1`)
+    w_self: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ class KernelSpec:
         """CTAs along K (grid z, partial slots): split_k, times warps_k for a wsplit tile; 1 for a
         serial tile (one CTA walks every worker)."""
         if self.tile.serial:
-            return 1
+            return self.kplan.split_k if self.tile.z_split else 1
         return self.kplan.split_k * (self.kplan.warps_k if self.tile.wsplit else 1)
 
     @property
@@ -167,7 +174,7 @@ class KernelSpec:
         # wgmma: plus one producer warp that stages the activations (skinny_gemm.cuh produce_wgmma)
         # (a producer tile: plus its producer warps; wgc: plus the weight-ring warps, skinny_gemm_pw.cuh)
         return (32 * self.tile.warps_n * self.workers_per_cta + 32 * self.kplan.wgmma + 32 * self.tile.producer
-                + 32 * max(1, self.tile.w_warps) * self.tile.wgc)
+                + 32 * (0 if self.tile.w_self else max(1, self.tile.w_warps)) * self.tile.wgc)
 
     @property
     def target(self) -> str:
@@ -187,7 +194,8 @@ class KernelSpec:
                 f"_r{t.rows}_nt{t.warp_nt}_wn{t.warps_n}_st{t.stages}_xa{t.x_ahead}_xs{t.x_smem}"
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
                 f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
-                f"{f'_xr{t.x_ring}' if t.wgc else ''}{f'_ww{t.w_warps}' if t.w_warps > 1 else ''}_mb{t.min_blocks}")
+                f"{f'_xr{t.x_ring}' if t.wgc else ''}{f'_ww{t.w_warps}' if t.w_warps > 1 else ''}"
+                f"{'_zs1' if t.z_split else ''}{'_wsf1' if t.w_self else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -223,8 +231,8 @@ class KernelSpec:
             w_stage = tiles * 512 + (tiles * 64 if self.fmt == "nvfp4" else 0)
             x_stage = self.tile.rows * self.kplan.k_group * 2
             if self.tile.wgc:  # a weight ring of `stages`, an activation ring of x_ring groups; the running
-                # sums in registers without split-K
-                fold = fold if self.kplan.split_k > 1 else 0
+                # sums in registers without split-K or with one CTA per split
+                fold = fold if self.kplan.split_k > 1 and not self.tile.z_split else 0
                 return self.tile.stages * w_stage + self.tile.x_ring * x_stage + fold + 16 * (self.tile.stages
                                                                                                + self.tile.x_ring)
             return self.tile.stages * (w_stage + x_stage) + fold + 16 * self.tile.stages
@@ -279,6 +287,10 @@ class KernelSpec:
             del tile["x_ring"]
         if not self.tile.w_warps:
             del tile["w_warps"]
+        if not self.tile.z_split:
+            del tile["z_split"]
+        if not self.tile.w_self:
+            del tile["w_self"]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
@@ -439,6 +451,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         # each activation warp then owns x_ring / producer slots and waits on them in order; a slot
         # shared by two warps could be waited on two phases ahead, which an mbarrier parity cannot tell
         return f"x_ring={t.x_ring} not a multiple of the {t.producer} activation warps"
+    if t.w_self and (not t.wgc or t.w_warps or t.l2_ahead):
+        return "w_self: a wgc tile whose consumers copy their own weights (no weight warps, no L2 prefetch)"
+    if t.z_split and (not t.wgc or spec.kplan.split_k < 2):
+        return "z_split: a wgc tile of a split-K plan (one CTA per split)"
     if t.w_warps and (not t.wgc or t.warps_n % t.w_warps):
         return f"w_warps={t.w_warps}: the weight warps of a wgc tile, dividing its warps_n={t.warps_n} tiles"
     if t.rows % 8 or t.rows > space.max_m:
@@ -467,8 +483,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         shape = (t.rows, t.warp_nt, t.warps_n, t.stages)
         key = _shape_list(t)
         listed = [s for s in space.tiles.get(key, [])
-                  if s[:4] == shape and (not t.wgc or (*s[4:6], s[6] if len(s) > 6 else 0, s[7] if len(s) > 7 else 0)
-                                         == (t.producer, t.x_ring, t.l2_ahead, t.w_warps))]
+                  if s[:4] == shape and (not t.wgc or (*s[4:6], *(list(s[6:9]) + [0, 0, 0])[:3])
+                                         == (t.producer, t.x_ring, t.l2_ahead, t.w_warps, t.w_self))]
         if t.wgc:
             listed = [s[:4] for s in listed]  # producer warps, activation ring, L2 prefetch: not thread caps
         if t.x_ahead or not listed:
@@ -673,10 +689,13 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
             tile = Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1, serial=1, w_async=wa,
                         producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0,
                         l2_ahead=extra[2] if wgc and len(extra) > 2 else 0,
-                        w_warps=extra[3] if wgc and len(extra) > 3 else 0)
+                        w_warps=extra[3] if wgc and len(extra) > 3 else 0,
+                        w_self=extra[4] if wgc and len(extra) > 4 else 0)
             c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
-            if illegal_reason(c) is None and c not in out:
-                out.append(c)
+            # (wgc_z_split: each wgc shape of a split-K plan also with one CTA per split, `_zs1`)
+            zs = wgc and 1 in space.tiles.get("wgc_z_split", [])
+            twins = [c, replace(c, tile=replace(tile, z_split=1))] if zs else [c]
+            out.extend(t for t in twins if illegal_reason(t) is None and t not in out)
     return out
 
 

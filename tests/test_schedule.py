@@ -508,17 +508,21 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
         wc = [c for c in cands if c.tile.wgc]
         assert {c.kplan for c in wc} == {c.kplan for c in cands if not c.tile.producer and not c.kplan.wgmma}
         assert {(c.tile.rows, 1, c.tile.warps_n, c.tile.stages, c.tile.producer, c.tile.x_ring, c.tile.l2_ahead,
-                 c.tile.w_warps) for c in wc} == {(*t, 0, 0)[:8] for t in shapes}
+                 c.tile.w_warps, c.tile.w_self) for c in wc} == {(*t, 0, 0, 0)[:9] for t in shapes}
         for c in wc:
             assert c.tile.serial and c.tile.x_smem and f"_sw1_pw{c.tile.producer}_wc1_xr{c.tile.x_ring}_" in c.name
             assert ("_pf1_" in c.name) == bool(c.tile.l2_ahead)
             assert (f"_ww{c.tile.w_warps}_" in c.name) == (c.tile.w_warps > 1)
-            ww = max(1, c.tile.w_warps)  # the weight warps
+            assert ("_wsf1_" in c.name) == bool(c.tile.w_self)
+            ww = 0 if c.tile.w_self else max(1, c.tile.w_warps)  # the weight warps (w_self: none)
             assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + ww) and c.target == "90a"
-            assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), 1) and c.smem_dynamic
+            assert ("_zs1_" in c.name) == bool(c.tile.z_split) and (not c.tile.z_split or c.kplan.split_k > 1)
+            z = c.kplan.split_k if c.tile.z_split else 1  # z_split: one CTA per split
+            assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), z) and c.smem_dynamic
+            assert c.ctas_k == z and c.workspace_floats(64) == (z * 64 * c.layout.n_pad if z > 1 else 0)
             tiles = c.tile.warps_n
             w_stage, x_stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0), c.tile.rows * c.kplan.k_group * 2
-            fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * 2 if c.kplan.split_k > 1 else 0  # else in registers
+            fold = tiles * c.tile.rows // 8 * 4 * 32 * 4 * 2 if z == 1 < c.kplan.split_k else 0  # else in registers
             assert c.smem_bytes() == c.tile.stages * (w_stage + 16) + c.tile.x_ring * (x_stage + 16) + fold
             d = c.to_dict()
             assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c
@@ -546,6 +550,23 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     cu.write_text(src)
     nvrtc_compile(cu, tmp_path / f"{pf.name}.ptx", "90a")
     assert "cp.async.bulk.prefetch.L2" in (tmp_path / f"{pf.name}.ptx").read_text()
+    # and one CTA per split of a split-K plan (names `_zs1`): partials and tickets in the signature
+    zs = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.wgc and c.tile.z_split)
+    assert "static constexpr bool Z_SPLIT = true;" in (src := render_kernel(zs)) and "tickets" in src
+    assert "Z_SPLIT" not in render_kernel(base) and "unsigned int* __restrict__ tickets" not in render_kernel(base)
+    assert zs.to_dict()["ctas_k"] == zs.kplan.split_k and spec_of(zs.to_dict()) == zs
+    cu = tmp_path / f"{zs.name}.cu"
+    cu.write_text(src)
+    nvrtc_compile(cu, tmp_path / f"{zs.name}.ptx", "90a")
+    assert "atom.global.inc" in (tmp_path / f"{zs.name}.ptx").read_text()  # the split-K ticket
+    # and consumers that copy their own weights (names `_wsf1`): no weight warps, cp.async groups
+    ws = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.wgc and c.tile.w_self)
+    assert "static constexpr bool W_SELF = true;" in (src := render_kernel(ws))
+    assert ws.threads == 32 * (ws.tile.warps_n + ws.tile.producer) and spec_of(ws.to_dict()) == ws
+    cu = tmp_path / f"{ws.name}.cu"
+    cu.write_text(src)
+    nvrtc_compile(cu, tmp_path / f"{ws.name}.ptx", "90a")
+    assert "cp.async.wait_group" in (tmp_path / f"{ws.name}.ptx").read_text()
     # and three weight warps for three consumer warpgroups (names `_ww3`)
     ww = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.wgc and c.tile.w_warps == 3)
     assert "static constexpr int W_WARPS = 3;" in (src := render_kernel(ww))

@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(608, 1)
 dfg_sm90_nvfp4_store_n3584_k5120_sk4_wk4_kg64_r32_nt1_wn12_st12_xa0_xs1_sw1_pw4_wc1_xr4_ww3_mb1(const __half* __restrict__ x, int M, const uint4* __restrict__ wq, const void* __restrict__ wscale,
     const float* __restrict__ col_scale, __half* __restrict__ out, float* __restrict__ partial,
     int prefetch_groups) {
-  (void)partial;
   (void)prefetch_groups;
-  Gemm::run(x, M, wq, wscale, col_scale, out, reinterpret_cast<char*>(dyn_smem));
+  Gemm::run(x, M, wq, wscale, col_scale, out, partial, nullptr,
+            reinterpret_cast<char*>(dyn_smem));
 }

@@ -503,11 +503,7 @@ struct SkinnyGemm {
       // the same outputs (one per CTA of the tile) sums them in split order z = 0..SPLIT_K-1 from
       // 0.0f -- its own read back as well (the bits it stored) -- and runs the epilogue on the sums:
       // the additions and their order of the former separate reduce kernel.
-      each_acc([&](int i, int j, int e) {
-        const int m = m0 + 8 * j + T::acc_mrow(e);
-        const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-        if (m < M) partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
-      });
+      store_partials(acc, tile0, m0, M, partial);
       if (!split_k_last(tickets, wn, lane)) return;
       // Opaque copies: without them the compiler hoisted the per-element addresses out of the
       // split loop below (r64 wgmma tiles: ~60 more registers).
@@ -516,22 +512,38 @@ struct SkinnyGemm {
       if constexpr (WSPLIT) {
         combine_workers(acc, t0, r0, M, partial);
       } else {
-        each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
-        // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
-        // tiles took up to 24 more registers).
-#pragma unroll 1
-        for (int z = 0; z < Cfg::SPLIT_K; ++z) {
-          const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
-          each_acc([&](int i, int j, int e) {
-            const int m = r0 + 8 * j + T::acc_mrow(e);
-            const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-            if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
-          });
-        }
+        sum_partials(acc, t0, r0, M, partial);
       }
       epilogue(acc, t0, r0, M, col_scale, out);
     } else {
       epilogue(acc, tile0, m0, M, col_scale, out);
+    }
+  }
+
+  // Split-K: this CTA's sums (rows below M) to its partial slot blockIdx.z ...
+  __device__ __forceinline__ static void store_partials(const float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int tile0,
+                                                        int m0, int M, float* __restrict__ partial) {
+    each_acc([&](int i, int j, int e) {
+      const int m = m0 + 8 * j + T::acc_mrow(e);
+      const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+      if (m < M) partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+    });
+  }
+  // ... and, by the last warp to store (split_k_last), the SPLIT_K slots summed in split order from
+  // 0.0f: the additions and their order of the former separate reduce kernel.
+  __device__ __forceinline__ static void sum_partials(float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int t0, int r0,
+                                                      int M, const float* __restrict__ partial) {
+    each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.0f; });
+    // One split per trip (fully unrolled, every split's loads in flight at once, the r64 wgmma
+    // tiles took up to 24 more registers).
+#pragma unroll 1
+    for (int z = 0; z < Cfg::SPLIT_K; ++z) {
+      const float* pz = partial + static_cast<size_t>(z) * M * Cfg::N_PAD;
+      each_acc([&](int i, int j, int e) {
+        const int m = r0 + 8 * j + T::acc_mrow(e);
+        const int lrow = (t0 + i) * T::TILE_ROWS + T::acc_wrow(e);
+        if (m < M) acc[i][j][e] += __ldcg(pz + static_cast<size_t>(m) * Cfg::N_PAD + lrow);
+      });
     }
   }
 
@@ -643,13 +655,15 @@ struct SkinnyGemm {
   // Fences: each lane's partial stores are visible GPU-wide before its warp takes a ticket, and
   // the last warp fences again before reading the others' partials (through L2, __ldcg: other SMs
   // wrote them).
+  // (S: the warps along K holding the same outputs; a Z_SPLIT producer tile passes its SPLIT_K)
+  template <int S = SPLITS>
   __device__ static bool split_k_last(unsigned int* __restrict__ tickets, int wn, int lane) {
     __threadfence();
     __syncwarp();
     unsigned int t = 0;
     if (lane == 0)
-      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, SPLITS - 1);
-    const bool last = __shfl_sync(0xffffffffu, t, 0) == SPLITS - 1;
+      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, S - 1);
+    const bool last = __shfl_sync(0xffffffffu, t, 0) == S - 1;
     if (last) __threadfence();
     return last;
   }

@@ -47,6 +47,22 @@ struct CfgXRing<C, void_t<decltype(C::X_RING)>> {
   static constexpr int value = C::X_RING;
 };
 template <class C, class = void>
+struct CfgWSelf {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgWSelf<C, void_t<decltype(C::W_SELF)>> {
+  static constexpr bool value = C::W_SELF;
+};
+template <class C, class = void>
+struct CfgZSplit {
+  static constexpr bool value = false;
+};
+template <class C>
+struct CfgZSplit<C, void_t<decltype(C::Z_SPLIT)>> {
+  static constexpr bool value = C::Z_SPLIT;
+};
+template <class C, class = void>
 struct CfgWWarps {
   static constexpr int value = 1;
 };
@@ -76,7 +92,19 @@ struct SkinnyGemmPw {
   static constexpr int PF_GROUPS = 8;
   // WGC: the weight warps, each copying WN / WW of the warp tiles' words per K group (one warp for 12
   // tiles left the consumers waiting on weights: session 18, one per warpgroup 11% faster at wn12)
-  static constexpr int WW = WGC ? CfgWWarps<Cfg>::value : 0;
+  // WGC W_SELF (names `_wsf1`): no weight warps; each consumer warp copies its own tile's words (and
+  // lanes 0-3 its scales) into the weight ring with cp.async, STAGES - 1 groups ahead, and waits for
+  // them with cp.async.wait_group: no full / empty barriers, and the copies spread over the consumers
+  // instead of queueing behind one warp (session 18: the consumers waited on the weight warp)
+  static constexpr bool WSELF = WGC && CfgWSelf<Cfg>::value;
+  static constexpr int WW = !WGC || WSELF ? 0 : CfgWWarps<Cfg>::value;
+  // WGC Z_SPLIT (names `_zs1`): one CTA per split of the plan (grid z), walking only its split's
+  // WARPS_K workers; the splits' sums meet through FP32 partials, summed by the last of the SPLIT_K
+  // warps holding the same outputs in split order from 0.0f: the plan's split-K combine, so the same
+  // bits as the CTA that walks every split, on SPLIT_K times the CTAs (n5120 problems: 40 CTAs of
+  // 128 rows otherwise)
+  static constexpr bool ZS = CfgZSplit<Cfg>::value;
+  static_assert(!ZS || (WGC && Cfg::SPLIT_K > 1), "Z_SPLIT: wgc tiles of split-K plans");
   // the consumers, the producer warps, and (WGC) the weight warps
   static constexpr int THREADS = 32 * WN + 32 * PW + 32 * WW;
   static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
@@ -86,7 +114,8 @@ struct SkinnyGemmPw {
   // could be waited on two phases ahead, which a parity wait cannot tell from the phase before)
   static_assert(!WGC || XR % PW == 0, "the activation ring: a multiple of the activation warps");
   static_assert(WGC || !PF, "L2_AHEAD producer tiles: the WGC weight warp's prefetch");
-  static_assert(!WGC || (WW >= 1 && WN % WW == 0), "the weight warps split the warp tiles evenly");
+  static_assert(!WGC || WSELF || (WW >= 1 && WN % WW == 0), "the weight warps split the warp tiles evenly");
+  static_assert(!WSELF || ST >= 2, "W_SELF: a ring of >= 2 groups (ST - 1 in flight)");
   static_assert(Cfg::SERIAL && Cfg::X_SMEM && Base::WK_CTA == 1 && Base::SPLITS == 1,
                 "a producer tile is a serial x_smem tile: one CTA walks every K worker");
   static_assert(T::HAS_X_SMEM && ST >= 2, "m16n8k16 x_smem fragments, a ring of >= 2 stages");
@@ -99,9 +128,9 @@ struct SkinnyGemmPw {
   static constexpr int W_BYTES = S_OFF + (NVFP4 ? WN * NT * 64 : 0), X_BYTES = XCHUNKS * 16;
   static constexpr int STAGE = WGC ? W_BYTES : W_BYTES + X_BYTES;
   // Then the running sums (Base's fold layout: tot, and spl with split-K; none for a WGC tile without
-  // split-K, whose consumers keep them in registers), then the mbarriers: full[ST], empty[ST] (WGC: of
-  // the weight ring, then xfull[XR], xempty[XR]).
-  static constexpr int SPL = Base::SPL;
+  // split-K or with Z_SPLIT, whose consumers keep them in registers), then the mbarriers: full[ST],
+  // empty[ST] (WGC: of the weight ring, then xfull[XR], xempty[XR]).
+  static constexpr int SPL = ZS ? 0 : Base::SPL;
   static constexpr int FOLD_OFF = ST * STAGE + XR * X_BYTES, FOLD = WN * ACC * 32 * 4;
   static constexpr int BAR_OFF = FOLD_OFF + (WGC && !SPL ? 0 : 1 + SPL) * FOLD;
   static constexpr int SMEM = BAR_OFF + 16 * (ST + XR);
@@ -130,9 +159,15 @@ struct SkinnyGemmPw {
   // the offset of a stage's activations: in the stage, or (WGC) slot s of the activation ring
   __device__ static int x_at(int s) { return WGC ? ST * STAGE + s * X_BYTES : s * STAGE + W_BYTES; }
 
+  // The K groups this CTA walks, [a0, a0 + GN): all of them, or (ZS) split blockIdx.z's workers'. Ring
+  // slots and phases count from a0.
+  __device__ static int split_begin() { return ZS ? blockIdx.z * Cfg::WARPS_K * G / WORKERS : 0; }
+  __device__ static int split_end() { return ZS ? (blockIdx.z + 1) * Cfg::WARPS_K * G / WORKERS : G; }
+
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
-                             __half* __restrict__ out, char* smem) {
+                             __half* __restrict__ out, float* __restrict__ partial, unsigned int* __restrict__ tickets,
+                             char* smem) {
     // the warp index broadcast from lane 0: ptxas then knows it is warp-uniform, so the role branches
     // are uniform and each role's ring indices, slots and descriptors can live in uniform registers
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
@@ -140,7 +175,7 @@ struct SkinnyGemmPw {
     const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     if (threadIdx.x == 0) {
       for (int s = 0; s < ST; ++s) {
-        mbar_init(full(sb, s), WGC ? 32 * WW : 32);   // the producer (WGC: weight) warps' cp.async arrivals
+        mbar_init(full(sb, s), WGC && WW > 0 ? 32 * WW : 32);  // weight warps' cp.async arrivals
         mbar_init(empty(sb, s), WGC ? 32 * WN : WN);  // WGC: every consumer lane
       }
       for (int s = 0; s < XR; ++s) {
@@ -154,6 +189,8 @@ struct SkinnyGemmPw {
     if constexpr (WGC) {
       // The weights are never written on the GPU: their warp starts before the programmatic-launch
       // wait, under the previous kernel's tail.
+      if constexpr (WSELF)  // the consumers' first ST - 1 groups, as early as the weight warps' would be
+        if (warp < WN) self_weights_prologue(wq, wscale, smem, warp, lane);
       if (warp >= WN + PW) {  // weight warp ww: its tiles and stage offsets are compile-time
         static_for<WW>([&](auto ww_c) {
           if (warp - WN - PW == decltype(ww_c)::value) produce_weights<decltype(ww_c)::value>(wq, wscale, smem, sb, lane);
@@ -171,11 +208,12 @@ struct SkinnyGemmPw {
     }
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WGC) {
-      consume_wg(M, m0, col_scale, out, smem, sb, warp, lane);
-      return;
-    }
+      consume_wg(M, m0, wq, wscale, col_scale, out, partial, tickets, smem, sb, warp, lane);
+    } else  // (consume is not instantiated for a WGC tile: its fold view may lack the split sums)
 #endif
-    consume(M, m0, col_scale, out, smem, sb, warp, lane);
+    {
+      consume(M, m0, col_scale, out, smem, sb, warp, lane);
+    }
   }
 
   // WGC weight warp ww (of WW): its 32 lanes copy each group's 16-byte weight words (and 4 lanes the
@@ -206,21 +244,24 @@ struct SkinnyGemmPw {
     const size_t pf_tg = static_cast<size_t>(min(tile0 + lane, TILES - 1)) * G;
     const char* pf_w = reinterpret_cast<const char*>(wq + pf_tg * 32);
     const char* pf_s = static_cast<const char*>(wscale) + pf_tg * 64;
-    if constexpr (PF)  // the ring's first reach: groups [0, ST) of every tile
+    if constexpr (PF)  // the ring's first reach: groups [a0, a0 + ST) of every tile
       if (lane < WT) {
-        prefetch_l2(pf_w, min(ST, G) * 512);
-        if constexpr (NVFP4) prefetch_l2(pf_s, min(ST, G) * 64);
+        const int a0 = split_begin(), n = min(ST, split_end() - a0);
+        prefetch_l2(pf_w + a0 * 512, n * 512);
+        if constexpr (NVFP4) prefetch_l2(pf_s + a0 * 64, n * 64);
       }
+    const int a0 = split_begin(), a1 = split_end();
 #pragma unroll 1
-    for (int a = 0; a < G; ++a) {
-      const int s = a % ST;
+    for (int a = a0; a < a1; ++a) {
+      const unsigned r = a - a0;  // ring position
+      const int s = r % ST;
       if constexpr (PF)
-        if (a % PF_GROUPS == 0 && lane < WT && a + ST < G) {
-          const int n = min(PF_GROUPS, G - a - ST);  // groups a + ST .. a + ST + n - 1 of tile `lane`
+        if (r % PF_GROUPS == 0 && lane < WT && a + ST < a1) {
+          const int n = min(PF_GROUPS, a1 - a - ST);  // groups a + ST .. a + ST + n - 1 of tile `lane`
           prefetch_l2(pf_w + (a + ST) * 512, n * 512);
           if constexpr (NVFP4) prefetch_l2(pf_s + (a + ST) * 64, n * 64);
         }
-      if (a >= ST) mbar_wait(empty(sb, s), (a / ST - 1) & 1);
+      if (r >= ST) mbar_wait(empty(sb, s), (r / ST - 1) & 1);
       char* st = smem + s * STAGE;
 #pragma unroll
       for (int t = 0; t < WT; ++t) {
@@ -331,16 +372,18 @@ struct SkinnyGemmPw {
     const int t = lane & 3, r = lane >> 2;
     const int xrows = M - m0 - r;
     const __half* src0 = x + static_cast<size_t>(m0 + r) * Cfg::K + 8 * t;
+    const int a0 = split_begin(), a1 = split_end();
 #pragma unroll 1
-    for (int a = pw; a < G; a += PW) {
-      const int s = a % XR;
+    for (int a = a0 + pw; a < a1; a += PW) {
+      const unsigned q = a - a0;  // ring position
+      const int s = q % XR;
       uint4 v[NB][KS];
       const __half* src = src0 + static_cast<size_t>(a) * T::KG;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int p = 0; p < KS; ++p) ld_act_if(v[nb][p], src + nb * 8 * Cfg::K + 32 * p, 8 * nb < xrows);
-      if (a >= XR) mbar_wait(xempty(sb, s), (a / XR - 1) & 1);
+      if (q >= XR) mbar_wait(xempty(sb, s), (q / XR - 1) & 1);
       const unsigned xs = sb + x_at(s) + L::offset(0, r, 0, t);
       static_for<NB>([&](auto nb_c) {
         constexpr int nb = decltype(nb_c)::value;
@@ -369,8 +412,40 @@ struct SkinnyGemmPw {
   // the main loop's instructions there, session 16 ncu), as in consume. Control
   // flow around the wgmmas is warp-uniform by construction (every lane arrives on the barriers; no
   // per-group branch on the fold), else ptxas serializes them (C7518).
-  __device__ static void consume_wg(int M, int m0, const float* __restrict__ col_scale, __half* __restrict__ out,
-                                    char* smem, unsigned sb, int wn, int lane) {
+  // W_SELF: this lane's weight word and (lanes < 4) scale chunk of consumer warp wn's tile at group 0
+  // (a tile past N copies the last tile's: in bounds, never stored), and group a's copy into ring slot
+  // `slot`; each lane reads back its own word, lanes 0-3's scale chunks after a __syncwarp
+  __device__ static void self_src(const uint4* __restrict__ wq, const void* __restrict__ wscale, int wn, int lane,
+                                  const char*& w, const char*& sc) {
+    const size_t tg = static_cast<size_t>(min(static_cast<int>(blockIdx.y) * WN + wn, TILES - 1)) * G;
+    w = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
+    sc = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
+  }
+  __device__ static void self_copy(char* smem, int slot, const char* w, const char* sc, int wn, int lane) {
+    char* st = smem + slot * STAGE;
+    cp_async16(st + W_OFF + wn * 512 + 16 * lane, w);
+    if constexpr (NVFP4)
+      if (lane < 4) cp_async16(st + S_OFF + wn * 64 + 16 * lane, sc);
+  }
+  // the ring's first ST - 1 groups, one committed cp.async group each (empty past the range), so that
+  // before decoding ring position r exactly ST - 2 newer groups may still be in flight
+  __device__ static void self_weights_prologue(const uint4* __restrict__ wq, const void* __restrict__ wscale,
+                                               char* smem, int wn, int lane) {
+    const char *w, *sc;
+    self_src(wq, wscale, wn, lane, w, sc);
+    const int a0 = split_begin(), a1 = split_end();
+#pragma unroll 1
+    for (int r = 0; r < ST - 1; ++r) {
+      const size_t a = a0 + r;
+      if (a0 + r < a1) self_copy(smem, r, w + a * 512, sc + a * 64, wn, lane);
+      cp_async_commit();
+    }
+  }
+
+  __device__ static void consume_wg(int M, int m0, const uint4* __restrict__ wq, const void* __restrict__ wscale,
+                                    const float* __restrict__ col_scale, __half* __restrict__ out,
+                                    float* __restrict__ partial, unsigned int* __restrict__ tickets, char* smem,
+                                    unsigned sb, int wn, int lane) {
     constexpr int KSTEPS = T::KG / 16;
     float acc[1][NT8][T::NACC], tot[1][NT8][T::NACC];  // tot: the running sums without split-K
     Base::each_acc([&](int i, int j, int e) { acc[i][j][e] = tot[i][j][e] = 0.0f; });
@@ -380,16 +455,40 @@ struct SkinnyGemmPw {
     const uint32_t desc0_lo = static_cast<uint32_t>(desc0);
     const uint64_t desc0_hi = desc0 & ~uint64_t{0xFFFFFFFFu};
     typename T::Frag frag[2];
-    // (ring slots and phases from unsigned group indices: a shift and a mask where the depth is a power of 2)
+    // (ring slots and phases from unsigned group positions in the CTA's range: a shift and a mask where
+    // the depth is a power of 2)
+    // W_SELF: this lane's sources of the next group to copy (ring position a + ST - 1 at load(a): the
+    // positions are loaded in order across the workers, so one pointer each steps by a group)
+    const char *wnext = nullptr, *snext = nullptr;
+    if constexpr (WSELF) {
+      self_src(wq, wscale, wn, lane, wnext, snext);
+      const size_t a = split_begin() + ST - 1;
+      wnext += a * 512;
+      snext += a * 64;
+    }
+    (void)wq;
+    (void)wscale;
     auto load = [&](const unsigned a, typename T::Frag& f) {
       const unsigned s = a % ST;
-      mbar_wait(full(sb, s), (a / ST) & 1);
+      if constexpr (WSELF) {
+        cp_async_wait<ST - 2>();  // this lane's copies of ring position a have landed ...
+        __syncwarp();             // ... and lanes 0-3's scale chunks; every lane is past position a - 1
+      } else {
+        mbar_wait(full(sb, s), (a / ST) & 1);
+      }
       const char* st = smem + s * STAGE;
       const uint4 wv = lds128(reinterpret_cast<const uint4*>(st + W_OFF) + wn * 32 + lane);
       Scale sc = 0;
       if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + wn * 64)[T::scale_index()];
       T::decode(wv, sc, f);
-      mbar_arrive(empty(sb, s));  // after the decode that consumed the loads: the weight slot is free
+      if constexpr (WSELF) {  // refill the slot of position a - 1 with position a + ST - 1
+        if (static_cast<int>(a) + ST - 1 < split_end() - split_begin()) self_copy(smem, (a + ST - 1) % ST, wnext, snext, wn, lane);
+        cp_async_commit();
+        wnext += 512;
+        snext += 64;
+      } else {
+        mbar_arrive(empty(sb, s));  // after the decode that consumed the loads: the weight slot is free
+      }
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
@@ -423,9 +522,11 @@ struct SkinnyGemmPw {
       if (a > 0) mbar_arrive(xempty(sb, (a - 1) % XR));
       if constexpr (!last) load(a + 1, frag[cur ^ 1]);
     };
+    // the workers this CTA walks (ZS: split blockIdx.z's), their ranges as ring positions from a0
+    const int vb = ZS ? blockIdx.z * Cfg::WARPS_K : 0, ve = ZS ? vb + Cfg::WARPS_K : WORKERS, a0 = split_begin();
 #pragma unroll 1
-    for (int v = 0; v < WORKERS; ++v) {
-      const int gb = v * G / WORKERS, ge = (v + 1) * G / WORKERS;  // >= 2 groups (schedule)
+    for (int v = vb; v < ve; ++v) {
+      const int gb = v * G / WORKERS - a0, ge = (v + 1) * G / WORKERS - a0;  // >= 2 groups (schedule)
       load(gb, frag[0]);
       int a = gb;
 #pragma unroll 1
@@ -443,7 +544,7 @@ struct SkinnyGemmPw {
         Base::fold_worker(acc, v, wn, lane, fold_view(smem));
       } else {
         Base::each_acc([&](int i, int j, int e) {  // fold_worker's additions (worker v = w, one split)
-          tot[i][j][e] = v == 0 ? acc[i][j][e] : tot[i][j][e] + acc[i][j][e];
+          tot[i][j][e] = v == vb ? acc[i][j][e] : tot[i][j][e] + acc[i][j][e];
           acc[i][j][e] = 0.0f;
         });
       }
@@ -454,7 +555,13 @@ struct SkinnyGemmPw {
       Base::each_acc([&](int i, int j, int e) { tot[i][j][e] = sums[wn][Base::acc_index(i, j, e)][lane]; });
     }
     const int tile0 = blockIdx.y * WN + wn;
-    if (tile0 < TILES) Base::epilogue(tot, tile0, m0, M, col_scale, out);
+    if (tile0 >= TILES) return;  // (ZS: in every CTA along z alike, so no ticket is left waiting)
+    if constexpr (ZS) {  // the split's sums meet the others' through the partials (Base's split-K combine)
+      Base::store_partials(tot, tile0, m0, M, partial);
+      if (!Base::template split_k_last<Cfg::SPLIT_K>(tickets, wn, lane)) return;
+      Base::sum_partials(tot, tile0, m0, M, partial);
+    }
+    Base::epilogue(tot, tile0, m0, M, col_scale, out);
   }
 #endif  // DFLASHGEN_WGMMA
 };
