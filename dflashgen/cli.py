@@ -60,6 +60,9 @@ def _build(args: argparse.Namespace) -> int:
         for n, r in rows.items():
             spill = f"{r['spill_stores']}/{r['spill_loads']}"
             print(f"  {n:<72} regs {r['registers']:>3} smem {r['smem']:>6} spills {spill}")
+    elif spills:  # named either way: a spill is a cost the tuner measures, never a wrong result
+        print("spilling (stores / loads, bytes): " + ", ".join(
+            f"{n} {r['spill_stores']}/{r['spill_loads']}" for n, r in sorted(spills.items())))
     return 1 if spills and args.no_spills else 0
 
 
@@ -132,7 +135,10 @@ def _run(args: argparse.Namespace) -> int:
 
         archs = sorted({native_arch(), 70})
     print(f"\n== build sm_{', sm_'.join(map(str, archs))}")
-    rc = _build(argparse.Namespace(arch=archs, only=None, jobs=None, toolchain="auto", no_spills=True,
+    # Spills do not stop the job: some sm_90 candidates spill a few words outside their main loop
+    # (e.g. the NVFP4 r64 wn12 `_ww3` tiles, 120 B at the per-worker fold); the tuner times them like
+    # every candidate, and tests/test_build.py keeps the committed sm_70 kernels spill-free.
+    rc = _build(argparse.Namespace(arch=archs, only=None, jobs=None, toolchain="auto", no_spills=False,
                                    verbose=False, quiet=False))
     if rc or not gpu:
         if not gpu:

@@ -211,7 +211,7 @@ def test_prune_keeps_the_cost_model_leader() -> None:
 # the runtime refuses them until then (KernelLibrary: an error, or the fallback with
 # on_mismatch="fallback"). Add a table's name here with the change that made it stale; remove it
 # once `dflashgen tune` on that GPU has re-made and committed the table.
-PENDING_RETUNE: set[str] = {"nvidia-h200.json"}
+PENDING_RETUNE: set[str] = set()
 
 
 def test_committed_measured_tables_match_the_kernel_library() -> None:

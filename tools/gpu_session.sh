@@ -14,7 +14,7 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 STEPS=${STEPS:-build verify pytest overhead tune bench}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $((SECONDS - t)) s)"; }
-want build && step dflashgen build --arch 90 -j 16 --no-spills -q 2>&1 | tail -3
+want build && step dflashgen build --arch 90 -j 16 -q 2>&1 | tail -3
 want verify && step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee "$OUT/verify.log"
 want pytest && step python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail -20 | tee "$OUT/overhead.txt"
