@@ -222,3 +222,32 @@ def test_ncu_stalls_counts_mbarrier_retries(tmp_path: Path, monkeypatch, capsys)
     assert "retries are 96.0% of executed instructions" in waits[0]  # 2 x 2500 of 5210
     assert waits[1].split()[:2] == ["inline", "100"] and waits[2].split()[:2] == ["retry", "2500"]
     assert len(waits) == 3  # a try-wait never executed is not listed
+
+
+def test_build_command_names_spilling_kernels_and_fails_only_with_no_spills(monkeypatch, capsys) -> None:
+    """`dflashgen build` lists spilling kernels; only `--no-spills` turns them into exit 1 (the main
+    job times spilling sm_90 candidates like any other rather than stopping)."""
+    import argparse
+
+    import dflashgen.build as b
+    from dflashgen import cli
+
+    rows = {"k_clean": {"registers": 90, "spill_stores": 0, "spill_loads": 0, "smem": 0},
+            "k_spill": {"registers": 96, "spill_stores": 120, "spill_loads": 112, "smem": 0}}
+
+    class Fake:
+        toolchains: dict = {}
+        build_dir = Path("/nonexistent")
+        steps = 0
+
+        def resources(self) -> dict:
+            return rows
+
+    monkeypatch.setattr(b, "build", lambda *a, **k: Fake())
+    ns = dict(arch=[90], only=None, jobs=None, toolchain="auto", verbose=False, quiet=True)
+    assert cli._build(argparse.Namespace(no_spills=False, **ns)) == 0
+    out = capsys.readouterr().out
+    assert "kernels with spills: 1" in out and "k_spill 120/112" in out and "k_clean" not in out
+    assert cli._build(argparse.Namespace(no_spills=True, **ns)) == 1
+    rows["k_spill"].update(spill_stores=0, spill_loads=0)
+    assert cli._build(argparse.Namespace(no_spills=True, **ns)) == 0
