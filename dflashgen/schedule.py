@@ -271,26 +271,12 @@ class KernelSpec:
         if not self.kplan.wgmma:
             del kplan["wgmma"]  # mma.sync entries keep their pre-wgmma form
         tile = asdict(self.tile)
-        if not self.tile.wsplit:
-            del tile["wsplit"]  # in-CTA tiles keep their pre-wsplit form
-        if not self.tile.w_async:
-            del tile["w_async"]  # register-ring tiles keep their pre-w_async form
-        if not self.tile.l2_ahead:
-            del tile["l2_ahead"]  # and their pre-l2_ahead form
-        if not self.tile.serial:
-            del tile["serial"]
-        if not self.tile.producer:
-            del tile["producer"]
-        if not self.tile.wgc:
-            del tile["wgc"]
-        if not self.tile.x_ring:
-            del tile["x_ring"]
-        if not self.tile.w_warps:
-            del tile["w_warps"]
-        if not self.tile.z_split:
-            del tile["z_split"]
-        if not self.tile.w_self:
-            del tile["w_self"]
+        # Optional tile fields are written only when set, so the entries of tiles that predate a field
+        # keep their form (and the library hash its value) when the field is added.
+        for f in ("wsplit", "w_async", "l2_ahead", "serial", "producer", "wgc", "x_ring", "w_warps", "z_split",
+                  "w_self"):
+            if not tile[f]:
+                del tile[f]
         d = {
             "name": self.name, "arch": self.arch, "format": self.fmt, "epilogue": self.epilogue,
             "n": self.n, "k": self.k, "n_pad": self.layout.n_pad, "n_out": self.n_out,
