@@ -94,17 +94,21 @@ class Uniforms:
         cls,
         params: Sequence[SamplingParams],
         num_drafts: int,
-        step: int,
+        step: int | Sequence[int],
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
     ) -> Uniforms:
         """Like ``draw``, but a request with ``seed`` gets uniforms that depend only on (seed, step),
-        so its tokens do not depend on which other requests share the batch."""
+        so its tokens do not depend on which other requests share the batch. ``step``: one for all
+        requests, or each request's own (the decode loop's per-request round count)."""
+        steps = [step] * len(params) if isinstance(step, int) else list(step)
+        if len(steps) != len(params):
+            raise ValueError(f"{len(steps)} steps for {len(params)} requests")
         u = cls.draw(len(params), num_drafts, generator, "cpu")
-        accept, sample = u.accept.clone(), u.sample.clone()
+        accept, sample = u.accept, u.sample  # fresh tensors: overwritten in place below
         for i, sp in enumerate(params):
             if sp.seed is not None:
-                g = torch.Generator().manual_seed(_splitmix64(sp.seed ^ _splitmix64(step & _MASK64)))
+                g = torch.Generator().manual_seed(_splitmix64(sp.seed ^ _splitmix64(steps[i] & _MASK64)))
                 accept[i] = torch.rand(num_drafts, generator=g)
                 sample[i] = torch.rand(num_drafts + 1, generator=g)
         dev = torch.device("cpu") if device is None else device

@@ -203,6 +203,7 @@ class ReplayDrafter:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
         self.continuations = [list(c) for c in continuations]
         self.acceptance, self.num_draft, self.seed, self.cost_model = acceptance, num_draft, seed, cost_model
+        self._coins: dict[int, tuple[tuple[int, int], list[bool]]] = {}  # rid -> ((seed, generated), coins)
         self.synthetic_acceptance = bool(synthetic_acceptance)
         if getattr(cost_model, "needs_taps", False):
             # A drafter as the cost model (e.g. StaticDFlashDrafter): it sees the real target taps through
@@ -219,9 +220,16 @@ class ReplayDrafter:
 
     def coins(self, ctx: RequestContext) -> list[bool]:
         """Per draft position: "right" (accepted) with probability ``acceptance``; a function of
-        (seed, rid, tokens generated so far) only, so batch composition cannot change it."""
+        (seed, rid, tokens generated so far) only, so batch composition cannot change it. The last
+        round's coins are kept per request (``propose`` and ``accept_decisions`` both need them)."""
+        key = (self.seed, ctx.generated)
+        hit = self._coins.get(ctx.rid)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         rng = random.Random(f"{self.seed}:{ctx.rid}:{ctx.generated}")
-        return [rng.random() < self.acceptance for _ in range(self.num_draft)]
+        out = [rng.random() < self.acceptance for _ in range(self.num_draft)]
+        self._coins[ctx.rid] = (key, out)
+        return out
 
     def draft_one(self, ctx: RequestContext) -> list[int]:
         cont, g = self.continuations[ctx.rid], ctx.generated
@@ -683,15 +691,13 @@ class SpecDecoder:
             draft_all[idx] = drafts.to("cpu", torch.long)
             pending = torch.zeros(b, 1, dtype=torch.long)
             base = torch.zeros(b, dtype=torch.long)
-            row_params = [greedy_pad] * b
-            unis = []
+            row_params, steps = [greedy_pad] * b, [0] * b
             for s in range(b):
                 r = slots[s]
                 if r is not None:
-                    pending[s, 0], base[s], row_params[s] = r.tokens[-1], len(r.tokens) - 1, r.params
-                unis.append(Uniforms.for_requests([row_params[s]], d, r.rounds if r else 0, gen))
-            u = Uniforms(to_device(torch.cat([x.accept for x in unis]), dev),
-                         to_device(torch.cat([x.sample for x in unis]), dev))
+                    pending[s, 0], base[s] = r.tokens[-1], len(r.tokens) - 1
+                    row_params[s], steps[s] = r.params, r.rounds
+            u = Uniforms.for_requests(row_params, d, steps, gen, dev)  # one draw for the whole batch
             q_all = None
             if q is not None:  # empty slots: zero q is valid and ignored (they are greedy)
                 q_all = torch.zeros(b, d, q.shape[-1], dtype=q.dtype, device=dev)

@@ -249,6 +249,12 @@ def test_seeded_requests_get_batch_independent_uniforms() -> None:
         assert torch.equal(alone.accept[0], batch.accept[b]) and torch.equal(alone.sample[0], batch.sample[b])
     other_step = Uniforms.for_requests([MIXED[1]], 4, step=12)
     assert not torch.equal(other_step.sample[0], batch.sample[1])
+    # per-request steps (the decode loop draws one batch per round, each request at its own round)
+    mixed_steps = Uniforms.for_requests(MIXED, 4, step=[11, 12, 11, 11, 11], generator=g)
+    assert torch.equal(mixed_steps.sample[1], other_step.sample[0])  # seeded, step 12
+    assert torch.equal(mixed_steps.accept[3], batch.accept[3])  # seeded, step 11
+    with pytest.raises(ValueError, match="steps for"):
+        Uniforms.for_requests(MIXED, 4, step=[1], generator=g)
 
 
 # --- errors ------------------------------------------------------------------------------------------
