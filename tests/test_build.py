@@ -251,3 +251,32 @@ def test_build_command_names_spilling_kernels_and_fails_only_with_no_spills(monk
     assert cli._build(argparse.Namespace(no_spills=True, **ns)) == 1
     rows["k_spill"].update(spill_stores=0, spill_loads=0)
     assert cli._build(argparse.Namespace(no_spills=True, **ns)) == 0
+
+
+def test_tune_report_groups_every_timed_candidate(tmp_path: Path, monkeypatch, capsys) -> None:
+    """tools/tune_report.py: per problem and M the served kernel, then the best of each group (K plan
+    and tile kind) fastest first, and with --vs the other run's best of the same group."""
+    import gzip
+
+    p = "sm90/nvfp4/store/n5120/k6144"
+    pre = "dfg_sm90_nvfp4_store_n5120_k6144_"
+    k_zs = pre + "sk3_wk4_kg64_r64_nt1_wn8_st8_xa0_xs1_sw1_pw4_wc1_xr8_zs1_wsf1_mb1"
+    k_mma = pre + "sk3_wk4_kg64_r16_nt2_wn2_st3_xa2_xs0_mb1"
+    k_mma2 = pre + "sk3_wk4_kg64_r8_nt2_wn2_st3_xa1_xs0_mb2"
+    k_wg = pre + "sk1_wk1_kg64_wg1_r16_nt1_wn4_st3_xa0_xs1_mb1"
+    buckets = [{"m": 64, "kernel": k_zs, "us": 18.3, "baseline_us": 24.1, "path": "kernel"},
+               {"m": 8, "kernel": k_mma2, "us": 8.0, "baseline_us": 16.0, "path": "kernel"}]
+    timings = {k_zs: {"64": 18.3}, k_mma: {"64": 28.2, "8": 8.4}, k_mma2: {"64": 30.0, "8": 8.0}, k_wg: {"64": 40.0}}
+    run = {"problems": {p: {"buckets": buckets, "timings_us": timings}}}
+    old = {"problems": {p: {"buckets": [], "timings_us": {k_mma: {"64": 29.0}}}}}
+    a, b = tmp_path / "a.json.gz", tmp_path / "b.json"
+    a.write_bytes(gzip.compress(json.dumps(run).encode()))
+    b.write_text(json.dumps(old))
+    monkeypatch.setattr(sys, "argv", ["tune_report.py", str(a), "--ms", "64", "--vs", str(b)])
+    _tool("tune_report").main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 3  # header, rule, three groups at M = 64 (M = 8 left out)
+    assert lines[2].startswith(f"| {p} | 64 | sk3_wk4_kg64_r64")
+    assert "| 18.3 | 24.1 | sk3_wk4_kg64 wgc_wn8_zs1_wsf1 |" in lines[2]
+    assert "| sk3_wk4_kg64 mma.sync | 28.2 | sk3_wk4_kg64_r16" in lines[3] and lines[3].endswith(" 29.0 |")
+    assert "| sk1_wk1_kg64 wgmma | 40.0 |" in lines[4] and lines[4].endswith(" - |")
