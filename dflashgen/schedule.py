@@ -521,8 +521,8 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return "mma.sync producer tiles have one producer warp"
     if t.min_blocks < 1:
         return f"min_blocks={t.min_blocks} < 1"
-    # wgc tiles: three consumer warpgroups + 4 activation warps + the weight warp = 544 threads (their
-    # registers, not a thread cap, bound them: 65536 / 544 = 120 per thread)
+    # wgc tiles: up to three consumer warpgroups + 4 activation warps + a weight warp per warpgroup =
+    # 608 threads (their registers, not a thread cap, bound them: 65536 / 608 = 107 per thread)
     max_threads = space.limits.get("wgc_max_threads", 512) if t.wgc else space.limits["max_threads"]
     if spec.threads > max_threads:
         return f"{spec.threads} threads > {max_threads}"
