@@ -119,7 +119,7 @@ DFLASHGEN_CFG_MEMBER(CfgL2Ahead, L2_AHEAD, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgSerial, SERIAL, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgWgc, WGC, bool, false)           // producer tiles: wgmma consumer warpgroups
 DFLASHGEN_CFG_MEMBER(CfgProducers, PRODUCERS, int, 1)    // producer tiles: copy warps
-#undef DFLASHGEN_CFG_MEMBER
+// (DFLASHGEN_CFG_MEMBER stays defined: skinny_gemm_pw.cuh declares its tiles' members with it)
 
 template <class Cfg>
 struct SkinnyGemm {

@@ -34,42 +34,14 @@
 
 namespace dflashgen {
 
-// A WGC tile's optional X_RING (its activation ring) and W_WARPS (its weight warps; skinny_gemm.cuh's
-// optional members are the others), and the view of its Cfg the base class gets: the base's register ring, which reads up to
+// A WGC tile's optional X_RING (its activation ring), W_SELF, Z_SPLIT and W_WARPS (its weight warps;
+// skinny_gemm.cuh's optional members are the others), and the view of its Cfg the base class gets: the base's register ring, which reads up to
 // STAGES groups past a worker's range into the prepack's padding, is not used here, and a WGC weight
 // ring may be deeper than that padding (it copies exactly the groups there are).
-template <class C, class = void>
-struct CfgXRing {
-  static constexpr int value = 0;
-};
-template <class C>
-struct CfgXRing<C, void_t<decltype(C::X_RING)>> {
-  static constexpr int value = C::X_RING;
-};
-template <class C, class = void>
-struct CfgWSelf {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgWSelf<C, void_t<decltype(C::W_SELF)>> {
-  static constexpr bool value = C::W_SELF;
-};
-template <class C, class = void>
-struct CfgZSplit {
-  static constexpr bool value = false;
-};
-template <class C>
-struct CfgZSplit<C, void_t<decltype(C::Z_SPLIT)>> {
-  static constexpr bool value = C::Z_SPLIT;
-};
-template <class C, class = void>
-struct CfgWWarps {
-  static constexpr int value = 1;
-};
-template <class C>
-struct CfgWWarps<C, void_t<decltype(C::W_WARPS)>> {
-  static constexpr int value = C::W_WARPS;
-};
+DFLASHGEN_CFG_MEMBER(CfgXRing, X_RING, int, 0)
+DFLASHGEN_CFG_MEMBER(CfgWSelf, W_SELF, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgZSplit, Z_SPLIT, bool, false)
+DFLASHGEN_CFG_MEMBER(CfgWWarps, W_WARPS, int, 1)
 template <class Cfg>
 struct PwBaseCfg : Cfg {
   static constexpr int STAGES = Cfg::STAGES < PAD_GROUPS ? Cfg::STAGES : PAD_GROUPS;
