@@ -31,18 +31,38 @@ def _fail(msg: str) -> None:
     raise KernelInputError(msg)
 
 
-# DFLASHGEN_L2_PREFETCH (sm_90): "1" -- each warp asks L2 for its whole weight stream before waiting
-# on the previous kernel (programmatic dependent launch), for weights of at most this many bytes;
-# an integer > 1 -- the first that many K groups of every kernel's streams; unset or "0" -- off.
-# Off by default: measured on the H200 (bench/h200-2026-11-30-s9/call2/ab-pf), "1" made the K = 1536
-# projections 6-10% faster but the K >= 4352 ones up to 20% slower (their own loads queue behind it).
+# DFLASHGEN_L2_PREFETCH (sm_90): how many K groups of each weight stream a warp asks L2 for before
+# waiting on the previous kernel (programmatic dependent launch), so they move under its tail.
+# Unset: the measured default below; "0": off; "1": whole streams of weights up to this many bytes;
+# an integer > 1: the first that many groups of every kernel's streams.
 L2_PREFETCH_MAX_BYTES = 24 << 20
+# The default (bench/h200-2026-12-01-s20, call3 + call5: every served M <= 16 kernel at 0 / 2 / 3 / 4 /
+# 6 / 8 / 16 groups): channel-FP8 kernels of <= 16 rows gain 2-6% from about a quarter of each K
+# worker's stream, up to 6 groups, and lose when the stream is short (n4120 at 5 groups per worker,
+# k1536 at 6: +3-6%), so nothing below 8; every NVFP4 kernel lost (+2-10% at 4 groups) and stays off.
+# Launches of more than L2_PREFETCH_DEFAULT_MAX_M rows go without it (call7: the same kernels serving
+# M = 24-48 with several row blocks were up to 6% slower with it).
+L2_PREFETCH_MIN_GROUPS, L2_PREFETCH_SHARE, L2_PREFETCH_CAP, L2_PREFETCH_DEFAULT_MAX_M = 8, 4, 6, 16
 
 
-def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int) -> int:
+def l2_prefetch_max_m() -> int:
+    """The largest M a launch passes its ``prefetch_groups`` at (0 above): the default's measured
+    range when DFLASHGEN_L2_PREFETCH is unset, every M when it is set."""
+    return L2_PREFETCH_DEFAULT_MAX_M if os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip() == "" else 1 << 30
+
+
+def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int, groups_per_worker: int | None = None,
+                       rows: int | None = None) -> int:
     """The ``prefetch_groups`` argument of an sm_90 GEMM launch (0: no prefetch); results never
-    depend on it (a cache hint), only timing."""
-    raw = os.environ.get("DFLASHGEN_L2_PREFETCH", "0").strip()
+    depend on it (a cache hint), only timing. ``groups_per_worker`` / ``rows``: the kernel's K
+    groups per K worker and row tile (the default needs them; without them it is off)."""
+    raw = os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip()
+    if raw == "":
+        if arch < 90 or fmt != "fp8_channel" or groups_per_worker is None or rows is None or rows > 16:
+            return 0
+        if groups_per_worker < L2_PREFETCH_MIN_GROUPS:
+            return 0
+        return min(L2_PREFETCH_CAP, groups_per_worker // L2_PREFETCH_SHARE)
     try:
         v = int(raw)
     except ValueError as e:
@@ -77,7 +97,11 @@ class GemmKernel:
         # anything but their weights, so each may start while the previous kernel finishes and
         # prefetch its weight stream under that kernel's tail; DFLASHGEN_PDL=0 launches plainly
         self.pdl: bool = self.arch >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
-        self.prefetch_groups = l2_prefetch_groups(self.arch, self.fmt, self.n_pad, self.k)
+        kp = entry["kplan"]
+        workers = kp["split_k"] * kp["warps_k"]
+        self.prefetch_groups = l2_prefetch_groups(self.arch, self.fmt, self.n_pad, self.k,
+                                                  -(-self.k // kp["k_group"] // workers), self.rows)
+        self.prefetch_max_m = l2_prefetch_max_m()
         self.max_m = max_m
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
@@ -291,7 +315,6 @@ class GemmLaunch:
         params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5), ctypes.c_int]
         self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
                                 shared=kern.dynamic_smem, pdl=kern.pdl)
-        self._main.pack.values[-1].value = kern.prefetch_groups
 
     def bind(self, w: PackedWeight, m: int) -> None:
         """Point the launch at a validated weight and M rows (caller holds ``lock``)."""
@@ -299,6 +322,7 @@ class GemmLaunch:
         v[1].value, v[2].value = m, w.weights.data_ptr()
         v[3].value = 0 if w.scales is None else w.scales.data_ptr()
         v[4].value = w.col_scale.data_ptr()
+        v[-1].value = self.kern.prefetch_groups if m <= self.kern.prefetch_max_m else 0
         self._main.grid[0].value = -(-m // self.kern.rows)  # row blocks fastest: weights hit L2
         if self._split and m > 64:
             self._stream = -1  # above 64 rows each call gets its own workspace

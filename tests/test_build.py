@@ -280,3 +280,27 @@ def test_tune_report_groups_every_timed_candidate(tmp_path: Path, monkeypatch, c
     assert "| 18.3 | 24.1 | sk3_wk4_kg64 wgc_wn8_zs1_wsf1 |" in lines[2]
     assert "| sk3_wk4_kg64 mma.sync | 28.2 | sk3_wk4_kg64_r16" in lines[3] and lines[3].endswith(" 29.0 |")
     assert "| sk1_wk1_kg64 wgmma | 40.0 |" in lines[4] and lines[4].endswith(" - |")
+
+
+def test_bench_ab_compares_runs_by_label(tmp_path: Path, monkeypatch, capsys) -> None:
+    """tools/bench_ab.py: per problem and M the base label's dispatched time (the baseline's where it
+    falls back) and each other label's change in percent, same-label runs averaged; then the forward
+    totals of every label."""
+    p = "sm90/fp8_channel/store/n14336/k5120"
+
+    def run(us8: float, us64: float, ms8: float) -> dict:
+        return {"problems": {p: {"buckets": [
+                    {"m": 8, "us": us8, "baseline_us": 40.0, "path": "kernel"},
+                    {"m": 64, "us": 99.0, "baseline_us": us64, "path": "fallback"}]}},
+                "forward_totals": [{"tp": 1, "deployment": "fp8", "m": 8, "dispatched_ms": ms8, "roofline_ms": 5.0}]}
+
+    paths = []
+    for i, r in enumerate((run(20.0, 30.0, 6.0), run(22.0, 30.0, 6.5), run(19.8, 31.5, 5.0))):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    monkeypatch.setattr(sys, "argv", ["bench_ab.py", f"off={paths[0]}", f"off={paths[1]}", f"pf={paths[2]}"])
+    _tool("bench_ab").main()
+    out = capsys.readouterr().out
+    assert f"| {p} | 8 | 21.00 | -5.7 |" in out  # (20 + 22) / 2 -> 19.8
+    assert f"| {p} | 64 | 30.00 | +5.0 |" in out  # the fallback's (baseline) time
+    assert "| 1 | fp8 | 8 | 6.25 (80.0%) | 5.00 (100.0%) |" in out

@@ -318,13 +318,46 @@ def test_fast_path_launches_with_prepared_arguments(fake_gpu) -> None:
 
 
 def test_l2_prefetch_setting(fake_gpu, monkeypatch) -> None:
-    """DFLASHGEN_L2_PREFETCH: off by default; "1" prefetches whole streams of sm_90 kernels with at
-    most L2_PREFETCH_MAX_BYTES of weights; k > 1 the first k groups of any; passed as the launch's
-    last argument; bad values are named."""
+    """DFLASHGEN_L2_PREFETCH: unset, a quarter of each K worker's stream (<= 6 groups) for sm_90
+    channel-FP8 kernels of <= 16 rows with >= 8 groups per worker, else off; "0" off; "1" prefetches
+    whole streams of sm_90 kernels with at most L2_PREFETCH_MAX_BYTES of weights; k > 1 the first k
+    groups of any; passed as the launch's last argument; bad values are named."""
+    import types
+    from pathlib import Path
+
+    from dflashgen.runtime import kernels
     from dflashgen.runtime.kernels import L2_PREFETCH_MAX_BYTES, l2_prefetch_groups
 
+    make, rec = fake_gpu
     monkeypatch.delenv("DFLASHGEN_L2_PREFETCH", raising=False)
     assert l2_prefetch_groups(90, "nvfp4", 5120, 1536) == 0
+    assert l2_prefetch_groups(90, "nvfp4", 14336, 5120, 20, 8) == 0  # NVFP4: measured slower
+    assert l2_prefetch_groups(90, "fp8_channel", 14336, 5120, 20, 8) == 5
+    assert l2_prefetch_groups(90, "fp8_channel", 34816, 5120, 80, 16) == 6  # capped
+    assert l2_prefetch_groups(90, "fp8_channel", 4120, 5120, 5, 8) == 0  # short streams: off
+    assert l2_prefetch_groups(90, "fp8_channel", 34816, 5120, 80, 32) == 0  # not measured past 16 rows
+    assert l2_prefetch_groups(90, "fp8_channel", 14336, 5120) == 0  # no plan given: off
+    assert l2_prefetch_groups(80, "fp8_channel", 14336, 5120, 20, 8) == 0  # sm_90 only
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "0")
+    assert l2_prefetch_groups(90, "fp8_channel", 14336, 5120, 20, 8) == 0
+    # the default goes with launches of <= 16 rows only (a bound launch's last argument)
+    monkeypatch.delenv("DFLASHGEN_L2_PREFETCH", raising=False)
+    lib = make("fp8_channel", 14336, 5120)
+    entry = next(e for e in lib.entries().values() if e["name"].startswith("fake_fp8"))
+    entry = {**entry, "kplan": {**entry["kplan"], "split_k": 1, "warps_k": 1}}  # a long stream per worker
+    kern = kernels.GemmKernel(entry, Path("/nonexistent"), 64, torch.device("cpu"))
+    assert kern.prefetch_groups == 6
+    launch = kernels.GemmLaunch(kern)
+    t = torch.zeros(4)
+    w = types.SimpleNamespace(weights=t, scales=None, col_scale=t)
+    for m, want in ((8, 6), (16, 6), (24, 0), (64, 0)):
+        launch.bind(w, m)
+        assert launch._main.pack.values[-1].value == want, m
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "3")  # set: every M
+    kern = kernels.GemmKernel(entry, Path("/nonexistent"), 64, torch.device("cpu"))
+    launch = kernels.GemmLaunch(kern)
+    launch.bind(w, 64)
+    assert launch._main.pack.values[-1].value == 3
     monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "1")
     assert l2_prefetch_groups(90, "nvfp4", 5120, 1536) >= 1536 // 64  # 4.4 MB: its whole streams
     assert L2_PREFETCH_MAX_BYTES < 34816 * 5120 * 9 / 16 and l2_prefetch_groups(90, "nvfp4", 34816, 5120) == 0
@@ -333,7 +366,6 @@ def test_l2_prefetch_setting(fake_gpu, monkeypatch) -> None:
     assert l2_prefetch_groups(80, "nvfp4", 5120, 1536) == 0  # sm_90 only (a no-op in older kernels)
     monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "6")
     assert l2_prefetch_groups(90, "nvfp4", 34816, 5120) == 6
-    make, rec = fake_gpu
     mod = QuantLinear(_weight("nvfp4", 24, 5120), "in_proj_ba", library=make("nvfp4", 24, 5120, split_k=2))
     assert mod.prepare(8) is not None  # the prepared (fast) launch: CPU tensors take it with the fake GPU
     mod(_x(8, 5120))

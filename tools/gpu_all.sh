@@ -20,6 +20,10 @@
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
 #                                          # applied to this copy only first (e.g. a tile list switched
 #                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
+#   PART=P ...                             # the L2-prefetch knob A/B on PART=A's table (or the committed
+#                                          # one): `dflashgen bench --ms $MS $BENCH_ARGS` once per
+#                                          # DFLASHGEN_L2_PREFETCH value in PF (default "0 4 8 16 0";
+#                                          # "default": unset); BUILD_ONLY_FILE, TESTS as in PART=C
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -78,6 +82,24 @@ C)
     timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
   fi
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
+P)
+  use_table
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
+  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  i=0
+  for p in ${PF:-0 4 8 16 0}; do  # "default": the variable unset (the runtime's default)
+    i=$((i + 1)); echo "== DFLASHGEN_L2_PREFETCH=$p (run $i)"
+    if [ "$p" = default ]; then pfenv=(env -u DFLASHGEN_L2_PREFETCH); else pfenv=(env DFLASHGEN_L2_PREFETCH=$p); fi
+    "${pfenv[@]}" timeout 150 dflashgen bench --table tuning/nvidia-h200.json --ms ${MS:-1 8 16} ${BENCH_ARGS:-} \
+      --out "$R/pf$p-run$i" 2>&1 | grep -E "^\| [14] \|" | head -20
+    pack
+  done
+  if [ -n "${TESTS:-}" ]; then
+    echo "== pytest -m gpu $TESTS"
+    timeout 200 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
+    tail -3 "$R/pytest-gpu.log"
+  fi ;;
 R)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
