@@ -20,10 +20,11 @@
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
 #                                          # applied to this copy only first (e.g. a tile list switched
 #                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
-#   PART=P ...                             # the L2-prefetch knob A/B on PART=A's table (or the committed
-#                                          # one): `dflashgen bench --ms $MS $BENCH_ARGS` once per
-#                                          # DFLASHGEN_L2_PREFETCH value in PF (default "0 4 8 16 0";
-#                                          # "default": unset); BUILD_ONLY_FILE, TESTS as in PART=C
+#   PART=P ...                             # runtime-knob A/B on PART=A's table (or the committed one):
+#                                          # `dflashgen bench --ms $MS $BENCH_ARGS` once per ENVS item
+#                                          # ("NAME=VALUE", VALUE "default": unset) or, without ENVS, per
+#                                          # DFLASHGEN_L2_PREFETCH value in PF (default "0 4 8 16 0");
+#                                          # BUILD_ONLY_FILE, TESTS as in PART=C
 # Carry .build (prebuilt sm_70 PTX and, to skip device builds, sm_90 cubins).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -87,12 +88,17 @@ P)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
   dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  # ENVS: the runs as NAME=VALUE (NAME unset: NAME=default), e.g. ENVS="DFLASHGEN_PDL_TRIGGER=end
+  # DFLASHGEN_PDL_TRIGGER=early"; PF="0 4": shorthand for DFLASHGEN_L2_PREFETCH=0 DFLASHGEN_L2_PREFETCH=4
+  specs=${ENVS:-}
+  if [ -z "$specs" ]; then for p in ${PF:-0 4 8 16 0}; do specs="$specs DFLASHGEN_L2_PREFETCH=$p"; done; fi
   i=0
-  for p in ${PF:-0 4 8 16 0}; do  # "default": the variable unset (the runtime's default)
-    i=$((i + 1)); echo "== DFLASHGEN_L2_PREFETCH=$p (run $i)"
-    if [ "$p" = default ]; then pfenv=(env -u DFLASHGEN_L2_PREFETCH); else pfenv=(env DFLASHGEN_L2_PREFETCH=$p); fi
-    "${pfenv[@]}" timeout 150 dflashgen bench --table tuning/nvidia-h200.json --ms ${MS:-1 8 16} ${BENCH_ARGS:-} \
-      --out "$R/pf$p-run$i" 2>&1 | grep -E "^\| [14] \|" | head -20
+  for spec in $specs; do
+    i=$((i + 1)); name=${spec%%=*} val=${spec#*=}; echo "== $spec (run $i)"
+    if [ "$val" = default ]; then runenv=(env -u "$name"); else runenv=(env "$spec"); fi
+    tag=$val; [ "$name" = DFLASHGEN_L2_PREFETCH ] && tag=pf$val  # (session 20's folder names)
+    "${runenv[@]}" timeout 240 dflashgen bench --table tuning/nvidia-h200.json --ms ${MS:-1 8 16} ${BENCH_ARGS:-} \
+      --out "$R/$tag-run$i" 2>&1 | grep -E "^\| [14] \|" | head -20
     pack
   done
   if [ -n "${TESTS:-}" ]; then
