@@ -20,6 +20,9 @@
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
 #                                          # applied to this copy only first (e.g. a tile list switched
 #                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
+#   PART=W ...                             # tools/wgmma_roles_probe.cu (which wgmma shape an M = 32-64
+#                                          # GEMM can feed: m64n64k16 RS vs m64n256k16 SS, with and
+#                                          # without a storing warpgroup; ~1 min, no dflashgen kernels)
 #   PART=P ...                             # runtime-knob A/B on PART=A's table (or the committed one):
 #                                          # `dflashgen bench --ms $MS $BENCH_ARGS` once per ENVS item
 #                                          # ("NAME=VALUE", VALUE "default": unset) or, without ENVS, per
@@ -106,6 +109,10 @@ P)
     timeout 200 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
     tail -3 "$R/pytest-gpu.log"
   fi ;;
+W)
+  inc=${DFLASHGEN_CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
+  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
+  timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt" ;;
 R)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
