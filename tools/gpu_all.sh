@@ -22,7 +22,9 @@
 #                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
 #   PART=W ...                             # tools/wgmma_roles_probe.cu (which wgmma shape an M = 32-64
 #                                          # GEMM can feed: m64n64k16 RS vs m64n256k16 SS, with and
-#                                          # without a storing warpgroup; ~1 min, no dflashgen kernels)
+#                                          # without a storing warpgroup) and tools/wgmma_swap_proto.cu
+#                                          # (an FP8 GEMM with the batch rows as A, self-checked, timed
+#                                          # at four shapes); ~2 min, no dflashgen kernels
 #   PART=P ...                             # runtime-knob A/B on PART=A's table (or the committed one):
 #                                          # `dflashgen bench --ms $MS $BENCH_ARGS` once per ENVS item
 #                                          # ("NAME=VALUE", VALUE "default": unset) or, without ENVS, per
@@ -112,7 +114,12 @@ P)
 W)
   inc=${DFLASHGEN_CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
   nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
-  timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt" ;;
+  timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt"
+  # the batch-rows-as-A prototype (FP8, M <= 64): self-checked against an FP32 reference, then timed
+  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_swap_proto.cu -o "$R/wgmma_swap_proto" 2>&1 | tail -3
+  for shape in "34816 5120 64" "33792 5120 64" "14336 5120 64" "34816 5120 32"; do
+    timeout 60 "$R/wgmma_swap_proto" $shape 2>&1 | tee -a "$R/wgmma-swap.txt"
+  done ;;
 R)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
