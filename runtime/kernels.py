@@ -45,10 +45,14 @@ L2_PREFETCH_MAX_BYTES = 24 << 20
 L2_PREFETCH_MIN_GROUPS, L2_PREFETCH_SHARE, L2_PREFETCH_CAP, L2_PREFETCH_DEFAULT_MAX_M = 8, 4, 6, 16
 
 
+def _l2_prefetch_env() -> str:
+    return os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip()
+
+
 def l2_prefetch_max_m() -> int:
     """The largest M a launch passes its ``prefetch_groups`` at (0 above): the default's measured
     range when DFLASHGEN_L2_PREFETCH is unset, every M when it is set."""
-    return L2_PREFETCH_DEFAULT_MAX_M if os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip() == "" else 1 << 30
+    return L2_PREFETCH_DEFAULT_MAX_M if _l2_prefetch_env() == "" else 1 << 30
 
 
 def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int, groups_per_worker: int | None = None,
@@ -56,7 +60,7 @@ def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int, groups_per_worke
     """The ``prefetch_groups`` argument of an sm_90 GEMM launch (0: no prefetch); results never
     depend on it (a cache hint), only timing. ``groups_per_worker`` / ``rows``: the kernel's K
     groups per K worker and row tile (the default needs them; without them it is off)."""
-    raw = os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip()
+    raw = _l2_prefetch_env()
     if raw == "":
         if arch < 90 or fmt != "fp8_channel" or groups_per_worker is None or rows is None or rows > 16:
             return 0

@@ -36,6 +36,13 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 R=$(mktemp -d); mkdir -p /tmp/dfg
 source "$(dirname "$0")/gpu_env.sh"
 pack() { tar czf "$OUT/results-$PART.tgz" -C "$R" . ; }
+gpu_tests() {  # TESTS="tests/..." (tests: all of them) under a $1-second limit, then pack what is done
+  [ -n "${TESTS:-}" ] || return 0
+  echo "== pytest -m gpu $TESTS"
+  timeout "$1" python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
+  tail -3 "$R/pytest-gpu.log"
+  pack
+}
 trap pack EXIT
 use_table() {  # the table PART=A measured on this (still warm) machine
   if [ -f /tmp/dfg/nvidia-h200.json ]; then cp /tmp/dfg/nvidia-h200.json tuning/nvidia-h200.json
@@ -64,12 +71,7 @@ C)
   # the table's kernels and the non-GEMM families) when the GEMMs are not what the call tests
   only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
   dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
-  if [ -n "${TESTS:-}" ]; then
-    echo "== pytest -m gpu $TESTS"  # TESTS=tests: all of them
-    timeout 240 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
-    tail -3 "$R/pytest-gpu.log"  # the bench runs either way (its numbers come with this log)
-    pack  # what is done so far comes back even if the call runs out of time
-  fi
+  gpu_tests 240  # the bench runs either way (its numbers come with this log)
   if [ -n "${ATTN:-}" ]; then  # ATTN="attn-bench args" (ATTN=all: its defaults)
     mkdir -p "$R/attn"; [ "$ATTN" = all ] && ATTN=""
     echo "== attn-bench $ATTN"; timeout 200 dflashgen attn-bench --out "$R/attn" $ATTN 2>&1 | tail -30
@@ -106,14 +108,10 @@ P)
       --out "$R/$tag-run$i" 2>&1 | grep -E "^\| [14] \|" | head -20
     pack
   done
-  if [ -n "${TESTS:-}" ]; then
-    echo "== pytest -m gpu $TESTS"
-    timeout 200 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
-    tail -3 "$R/pytest-gpu.log"
-  fi ;;
+  gpu_tests 200 ;;
 W)
   inc=${DFLASHGEN_CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
-  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
+  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
   timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt"
   # the batch-rows-as-A prototype (FP8, M <= 64): self-checked against an FP32 reference, then timed
   nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_swap_proto.cu -o "$R/wgmma_swap_proto" 2>&1 | tail -3

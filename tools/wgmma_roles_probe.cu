@@ -5,7 +5,7 @@
 // and FP16 weights, written to shared memory by decode warps, in B: m64n256k16 SS. This probe times
 // both from shared memory only (no DRAM), one CTA per SM, with 1-3 MMA warpgroups per CTA, alone and
 // beside a warpgroup that stores 16-byte words to shared memory flat out (the decode warps' STS):
-//   nvcc -std=c++17 -O3 -arch=sm_90a -I<cutlass>/include tools/wgmma_roles_probe.cu -o probe && ./probe
+//   nvcc -std=c++17 -O3 -arch=sm_90a -I<cutlass>/include -Itemplates/include tools/wgmma_roles_probe.cu -o probe && ./probe
 // Prints per configuration the MMA rate in TFLOP/s over the grid, cycles per wgmma per warpgroup, and
 // the storing warpgroup's bytes per cycle. Operand contents are constant (the rate does not depend on
 // them); results are never checked: this measures issue and pipe rates only.
@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <dflashgen/decode.cuh>  // u32, which wgmma.cuh uses
+#include <dflashgen/wgmma.cuh>
 
 namespace gmma = cute::SM90::GMMA;
 using RS64 = gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>;
@@ -27,18 +29,10 @@ constexpr int B_ROWS = 256;
 constexpr int B_BYTES = B_ROWS * 16 * 2;
 constexpr int STORE_BYTES = 32 * 1024;  // the storing warpgroup's own region
 
-// K-major, no swizzle: core matrices of 8 rows x 16 bytes; LBO = K half 0 -> 1 (128 B), SBO = 8-row
-// block -> next (256 B), as dflashgen's WgmmaBLayout.
-__device__ uint64_t desc(uint32_t smem_addr) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr >> 4) & 0x3FFF);
-  d.bitfield.leading_byte_offset_ = 128 >> 4;
-  d.bitfield.stride_byte_offset_ = 256 >> 4;
-  d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = static_cast<uint8_t>(gmma::LayoutType::INTERLEAVE);
-  return d.desc_;
+// K-major, no swizzle: core matrices of 8 rows x 16 bytes (dflashgen's WgmmaBLayout descriptor).
+__device__ __forceinline__ uint64_t desc(uint32_t addr) {
+  return dflashgen::WgmmaBLayout<64>::desc_base() + ((addr >> 4) & 0x3FFF);
 }
-
 template <size_t... I>
 __device__ __forceinline__ void rs64(const uint32_t (&a)[4], uint64_t db, float (&c)[32], std::index_sequence<I...>) {
   RS64::fma(a[0], a[1], a[2], a[3], db, c[I]..., gmma::ScaleOut::One);

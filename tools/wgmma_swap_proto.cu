@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <dflashgen/decode.cuh>  // u32, which wgmma.cuh uses
+#include <dflashgen/wgmma.cuh>
 #include <dflashgen/mbarrier.cuh>
 
 namespace gmma = cute::SM90::GMMA;
@@ -44,17 +46,11 @@ constexpr int B_STAGE = KS * B_KSTEP;  // 32 KB
 constexpr int SMEM = STAGES * (A_STAGE + B_STAGE) + 2 * STAGES * 8;
 constexpr int AHEAD = 2;  // weight chunks in flight per producer thread beyond the one it converts
 
-// K-major, no swizzle: core matrices of 8 rows x 16 bytes; LBO: K half 0 -> 1 (128 B), SBO: 8-row
-// block -> next (256 B). Byte offset of (row, 8-K half h) inside one k-step.
+// K-major, no swizzle: core matrices of 8 rows x 16 bytes, K half 0 -> 1 at 128 B, 8-row block -> next at
+// 256 B (dflashgen's WgmmaBLayout, whose descriptor both operands use). Byte offset of (row, 8-K half h).
 __device__ __forceinline__ int core_off(int row, int h) { return (row >> 3) * 256 + h * 128 + (row & 7) * 16; }
 __device__ __forceinline__ uint64_t desc(uint32_t addr) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = static_cast<uint16_t>((addr >> 4) & 0x3FFF);
-  d.bitfield.leading_byte_offset_ = 128 >> 4;
-  d.bitfield.stride_byte_offset_ = 256 >> 4;
-  d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = static_cast<uint8_t>(gmma::LayoutType::INTERLEAVE);
-  return d.desc_;
+  return dflashgen::WgmmaBLayout<64>::desc_base() + ((addr >> 4) & 0x3FFF);
 }
 template <size_t... I>
 __device__ __forceinline__ void ss256(uint64_t da, uint64_t db, float (&c)[128], std::index_sequence<I...>) {
