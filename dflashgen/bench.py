@@ -45,11 +45,14 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     targets = load_targets(targets_path)
     for p in tqdm(selected(problems_for(targets, arch), only), desc="bench", unit="problem"):
         entries = by_key[p.key]
+        prefetch: dict[int, int] = {}  # the table's tuned L2 prefetch depths, timed as served
         if table is not None:
-            chosen = {b.get("kernel") for b in table.problems().get(p.key, {}).get("buckets", [])}
+            buckets = table.problems().get(p.key, {}).get("buckets", [])
+            chosen = {b.get("kernel") for b in buckets}
             entries = [e for e in entries if e["name"] in chosen] or entries[:1]
+            prefetch = {b["m"]: b["prefetch_groups"] for b in buckets if b.get("prefetch_groups") is not None}
         try:
-            results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89)
+            results[p.key] = tune_problem(p, entries, images, device, bw, ms, fp8_ok=arch >= 89, prefetch=prefetch)
         except Exception as e:  # one problem's failure is reported with the rest, not a lost report
             failed[p.key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         torch.cuda.empty_cache()

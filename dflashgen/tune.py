@@ -32,6 +32,9 @@ from .verify import random_fp8, random_nvfp4
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 SERVABLE_PEERS = ("cublas_fp16", "fallback")
+# L2 prefetch depths (K groups per weight stream, runtime/kernels.py) raced per served sm_90 bucket
+# against the runtime's default; a depth is recorded only where it beats the default beyond noise
+PREFETCH_DEPTHS = (0, 1, 2, 4, 6)
 SMS = {70: 80, 80: 108, 90: 132}  # reference parts (V100, A100, H100/H200)
 
 
@@ -141,13 +144,43 @@ def _weights(p: Problem, device: torch.device, seed: int) -> tuple[Any, PackedWe
     return w, prepack(w, Layout(p.arch, p.fmt, p.n, p.k, p.silu))
 
 
-def time_kernel(kern: Any, packed: PackedWeight, x: torch.Tensor, copies: int) -> Timing:
+def time_kernel(kern: Any, packed: PackedWeight, x: torch.Tensor, copies: int,
+                prefetch: int | None = None) -> Timing:
     # Copies share the codes but are distinct buffers, so each call reads DRAM.
     ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
                                   None if packed.scales is None else packed.scales.clone(), packed.col_scale)
                      for _ in range(copies - 1)]
     out = torch.empty((x.shape[0], kern.n_out), dtype=torch.float16, device=x.device)
-    return graph_time(lambda i: kern(x, ws[i], out), copies)
+    return graph_time(lambda i: kern(x, ws[i], out, prefetch=prefetch), copies)
+
+
+def pick_prefetch(default: Timing, default_depth: int, by_depth: dict[int, Timing]) -> tuple[int | None, str]:
+    """Pure choice (testable without a GPU): the fastest raced depth if it beats the default rule's
+    time beyond the combined noise, else None (the table then leaves the default in place)."""
+    depth = min(sorted(by_depth), key=lambda k: by_depth[k].us, default=None)
+    if depth is None or depth == default_depth or not by_depth[depth].beats(default):
+        return None, f"L2 prefetch: the default ({default_depth} groups, {default.us:.2f} us) kept"
+    return depth, (f"L2 prefetch {depth} groups {by_depth[depth].us:.2f} us beats the default "
+                   f"({default_depth} groups) {default.us:.2f} us")
+
+
+def race_prefetch(buckets: list[dict[str, Any]], kernels: dict[str, Any], timings: dict[str, dict[int, Timing]],
+                  packed: PackedWeight, k: int, copies: int, device: torch.device) -> None:
+    """Per bucket served by an sm_90 kernel, time it at PREFETCH_DEPTHS and record a depth that beats
+    the default (``prefetch_groups``, ``us`` at it, every depth's time in ``prefetch_us``)."""
+    for b in buckets:
+        kern = kernels.get(b.get("kernel") or "")
+        if b.get("path") != "kernel" or kern is None or kern.arch < 90 or kern.prefetch_from_env:
+            continue
+        m, default = b["m"], timings[b["kernel"]][b["m"]]
+        default_depth = kern.prefetch_for(m)
+        x = torch.randn(m, k, device=device, dtype=torch.float16)
+        by_depth = {d: time_kernel(kern, packed, x, copies, prefetch=d) for d in PREFETCH_DEPTHS if d != default_depth}
+        b["prefetch_us"] = {str(d): round(t.us, 3) for d, t in sorted({**by_depth, default_depth: default}.items())}
+        depth, why = pick_prefetch(default, default_depth, by_depth)
+        if depth is not None:
+            b.update(prefetch_groups=depth, us=by_depth[depth].us)
+        b["why"] = f"{b['why']}; {why}"
 
 
 def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device, fp8_ok: bool) -> Baselines:
@@ -232,8 +265,10 @@ def choose(ms: tuple[int, ...], timings: dict[str, dict[int, Timing]], plans: di
 
 def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tuple[Path, str]],
                  device: torch.device, bw_gbs: float, ms: tuple[int, ...] = BUCKETS,
-                 fp8_ok: bool = True) -> dict[str, Any]:
-    """Measure one problem; return its table entry plus the raw measurements."""
+                 fp8_ok: bool = True, prefetch: dict[int, int] | None = None) -> dict[str, Any]:
+    """Measure one problem; return its table entry plus the raw measurements. ``prefetch``: M ->
+    the L2 prefetch depth to time every candidate at (``dflashgen bench``: the table's tuned depths);
+    None: candidates run at the default rule, then each served sm_90 bucket races PREFETCH_DEPTHS."""
     from dflashgen.runtime import GemmKernel
 
     from .verify import verify_problem
@@ -251,12 +286,19 @@ def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tu
     for m in ms:
         x = torch.randn(m, p.k, device=device, dtype=torch.float16)
         for e in prune([e for e in cand if e["name"] in ok], m, bw_gbs):
-            timings[e["name"]][m] = time_kernel(kernels[e["name"]], packed, x, copies)
+            timings[e["name"]][m] = time_kernel(kernels[e["name"]], packed, x, copies,
+                                                prefetch=None if prefetch is None else prefetch.get(m))
     base = time_baselines(p, w, ms, device, fp8_ok)
     plans = {n: json.dumps(next(e for e in cand if e["name"] == n)["kplan"], sort_keys=True) for n in timings}
     peers = {m: {k: v for k, v in (("cublas_fp16", base.fp16.get(m)), ("cublas_fp8", base.fp8.get(m)),
                                    ("fallback", base.fallback.get(m))) if v is not None} for m in ms}
     plan, buckets = choose(ms, timings, plans, peers)
+    if prefetch is None:
+        race_prefetch(buckets, kernels, timings, packed, p.k, copies, device)
+    else:
+        for b in buckets:  # what was timed: the table's depth where it names one
+            if b.get("path") == "kernel" and b["m"] in prefetch:
+                b["prefetch_groups"] = prefetch[b["m"]]
     return {
         "kplan": json.loads(plan) if plan else None, "buckets": buckets, "serves": p.serves, "count": p.count,
         "weight_bytes": p.weight_bytes, "verified": sorted(ok), "rejected": sorted({r.name for r in reports} - ok),

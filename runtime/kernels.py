@@ -36,23 +36,31 @@ def _fail(msg: str) -> None:
 # Unset: the measured default below; "0": off; "1": whole streams of weights up to this many bytes;
 # an integer > 1: the first that many groups of every kernel's streams.
 L2_PREFETCH_MAX_BYTES = 24 << 20
+# The launch's last argument packs the prefetch depth (bits 0-15) with LAUNCH_PDL_EARLY (skinny_gemm.cuh):
+# DFLASHGEN_PDL_TRIGGER=early has sm_90 mma.sync GEMMs release the next launch right after their own
+# griddepcontrol.wait instead of after their main loop ("end", the default); timing only, never bits.
+LAUNCH_PREFETCH_MASK, LAUNCH_PDL_EARLY = 0xFFFF, 1 << 16
+
+
+def pdl_trigger_early() -> bool:
+    raw = os.environ.get("DFLASHGEN_PDL_TRIGGER", "end").strip() or "end"
+    if raw not in ("end", "early"):
+        raise ValueError(f"DFLASHGEN_PDL_TRIGGER must be 'end' or 'early', got {raw!r}")
+    return raw == "early"
+
+
 # The default (bench/h200-2026-12-01-s20, call3 + call5: every served M <= 16 kernel at 0 / 2 / 3 / 4 /
 # 6 / 8 / 16 groups): channel-FP8 kernels of <= 16 rows gain 2-6% from about a quarter of each K
 # worker's stream, up to 6 groups, and lose when the stream is short (n4120 at 5 groups per worker,
 # k1536 at 6: +3-6%), so nothing below 8; every NVFP4 kernel lost (+2-10% at 4 groups) and stays off.
 # Launches of more than L2_PREFETCH_DEFAULT_MAX_M rows go without it (call7: the same kernels serving
-# M = 24-48 with several row blocks were up to 6% slower with it).
+# M = 24-48 with several row blocks were up to 6% slower with it). A tuning table may name a depth per
+# bucket (`prefetch_groups`, raced by `dflashgen tune`); the variable, when set, overrides both.
 L2_PREFETCH_MIN_GROUPS, L2_PREFETCH_SHARE, L2_PREFETCH_CAP, L2_PREFETCH_DEFAULT_MAX_M = 8, 4, 6, 16
 
 
 def _l2_prefetch_env() -> str:
     return os.environ.get("DFLASHGEN_L2_PREFETCH", "").strip()
-
-
-def l2_prefetch_max_m() -> int:
-    """The largest M a launch passes its ``prefetch_groups`` at (0 above): the default's measured
-    range when DFLASHGEN_L2_PREFETCH is unset, every M when it is set."""
-    return L2_PREFETCH_DEFAULT_MAX_M if _l2_prefetch_env() == "" else 1 << 30
 
 
 def l2_prefetch_groups(arch: int, fmt: str, n_pad: int, k: int, groups_per_worker: int | None = None,
@@ -105,7 +113,9 @@ class GemmKernel:
         workers = kp["split_k"] * kp["warps_k"]
         self.prefetch_groups = l2_prefetch_groups(self.arch, self.fmt, self.n_pad, self.k,
                                                   -(-self.k // kp["k_group"] // workers), self.rows)
-        self.prefetch_max_m = l2_prefetch_max_m()
+        # DFLASHGEN_L2_PREFETCH set: it decides every launch's depth (the tuner then races none)
+        self.prefetch_from_env = _l2_prefetch_env() != ""
+        self.pdl_early = self.pdl and pdl_trigger_early()
         self.max_m = max_m
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
@@ -122,6 +132,17 @@ class GemmKernel:
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
         self._generic: GemmLaunch | None = None  # the launch __call__ rebinds to each call's weight
+
+    def prefetch_for(self, m: int, tuned: int | None = None) -> int:
+        """The ``prefetch_groups`` argument of a launch of M rows: DFLASHGEN_L2_PREFETCH when set,
+        else the table's tuned depth for the bucket, else the default rule (<= 16 rows only)."""
+        if self.arch < 90:
+            return 0
+        if self.prefetch_from_env:
+            return self.prefetch_groups
+        if tuned is not None:
+            return tuned
+        return self.prefetch_groups if m <= L2_PREFETCH_DEFAULT_MAX_M else 0
 
     def _function(self) -> Function:
         if self._fn is None:  # loaded on first launch, so validation needs no GPU
@@ -259,7 +280,7 @@ class GemmKernel:
         return (torch.empty((self.split_k * rows * self.n_pad,), dtype=torch.float32, device=self.device),
                 self._tickets(rows))
 
-    def prepare(self, w: PackedWeight, m: int) -> GemmLaunch:
+    def prepare(self, w: PackedWeight, m: int, prefetch: int | None = None) -> GemmLaunch:
         """A launch bound to weight ``w`` and M rows, validated here once: calling it with a
         fitting x writes two pointers and launches (``GemmLaunch.__call__``)."""
         if not isinstance(w, PackedWeight):
@@ -268,10 +289,11 @@ class GemmKernel:
             _fail(f"{self.name}: M={m} outside the supported range 1..{self.max_m}")
         self._validate_weight(w)
         launch = GemmLaunch(self)
-        launch.bind(w, m)
+        launch.bind(w, m, prefetch)
         return launch
 
-    def __call__(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None,
+                 prefetch: int | None = None) -> torch.Tensor:
         if self._quick_ok(x, out):
             m = x.shape[0]
             if not self._weight_seen(w):
@@ -287,7 +309,7 @@ class GemmKernel:
             # runs (possibly inside another stream's CUDA graph capture, where a free is an error)
             g = self._generic = GemmLaunch(weakref.proxy(self))
         with g.lock:
-            g.bind(w, m)
+            g.bind(w, m, prefetch)
             g.launch(x.data_ptr(), out.data_ptr(), g.get_stream(self._dev_index))
         return out
 
@@ -320,13 +342,15 @@ class GemmLaunch:
         self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
                                 shared=kern.dynamic_smem, pdl=kern.pdl)
 
-    def bind(self, w: PackedWeight, m: int) -> None:
-        """Point the launch at a validated weight and M rows (caller holds ``lock``)."""
+    def bind(self, w: PackedWeight, m: int, prefetch: int | None = None) -> None:
+        """Point the launch at a validated weight and M rows (caller holds ``lock``); ``prefetch``:
+        the table's tuned L2 prefetch depth for this M's bucket (``GemmKernel.prefetch_for``)."""
         v = self._main.pack.values
         v[1].value, v[2].value = m, w.weights.data_ptr()
         v[3].value = 0 if w.scales is None else w.scales.data_ptr()
         v[4].value = w.col_scale.data_ptr()
-        v[-1].value = self.kern.prefetch_groups if m <= self.kern.prefetch_max_m else 0
+        pf = min(self.kern.prefetch_for(m, prefetch), LAUNCH_PREFETCH_MASK)
+        v[-1].value = pf | (LAUNCH_PDL_EARLY if self.kern.pdl_early else 0)
         self._main.grid[0].value = -(-m // self.kern.rows)  # row blocks fastest: weights hit L2
         if self._split and m > 64:
             self._stream = -1  # above 64 rows each call gets its own workspace

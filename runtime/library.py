@@ -218,7 +218,7 @@ class KernelLibrary:
         choice, _, count_key = self._dispatch(packed.layout, m)
         if choice.path != "kernel" or choice.kernel is None:
             return None
-        launch = self.kernel(choice.kernel).prepare(packed, m)
+        launch = self.kernel(choice.kernel).prepare(packed, m, choice.prefetch)
         launch.count_key = count_key
         self._launches.add(launch)
         weakref.finalize(launch, self._retire, count_key, launch.calls).atexit = False
@@ -239,7 +239,7 @@ class KernelLibrary:
         choice, _, count_key = self._dispatch(packed.layout, m)
         self._counts[count_key] += 1
         if choice.path == "kernel" and choice.kernel is not None:
-            return self.kernel(choice.kernel)(x, packed, out)
+            return self.kernel(choice.kernel)(x, packed, out, prefetch=choice.prefetch)
         y = self._fallback(x, packed)
         if out is not None:
             out.copy_(y)

@@ -49,6 +49,9 @@ class Choice:
     kernel: str | None
     bucket_m: int
     why: str
+    # the L2 prefetch depth the tuner measured best for this bucket's kernel (sm_90; None: the
+    # runtime's default rule, runtime/kernels.py)
+    prefetch: int | None = None
 
 
 class TuningTable:
@@ -91,6 +94,9 @@ class TuningTable:
                     self._fail(f"{key}: bucket M={b['m']} path must be 'kernel' or 'fallback'")
                 if b["path"] == "kernel" and not b.get("kernel"):
                     self._fail(f"{key}: bucket M={b['m']} names no kernel")
+                pf = b.get("prefetch_groups")
+                if pf is not None and (not isinstance(pf, int) or isinstance(pf, bool) or pf < 0):
+                    self._fail(f"{key}: bucket M={b['m']} prefetch_groups must be an integer >= 0, got {pf!r}")
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -142,7 +148,7 @@ class TuningTable:
         if i == len(ms):
             return Choice("fallback", None, m, f"M={m} above the largest tuned bucket {ms[-1]}")
         b = buckets[i]
-        return Choice(b["path"], b.get("kernel"), b["m"], b.get("why", ""))
+        return Choice(b["path"], b.get("kernel"), b["m"], b.get("why", ""), b.get("prefetch_groups"))
 
     def problems(self) -> dict[str, Any]:
         return self.data["problems"]

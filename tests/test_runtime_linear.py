@@ -353,11 +353,25 @@ def test_l2_prefetch_setting(fake_gpu, monkeypatch) -> None:
     for m, want in ((8, 6), (16, 6), (24, 0), (64, 0)):
         launch.bind(w, m)
         assert launch._main.pack.values[-1].value == want, m
-    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "3")  # set: every M
+    launch.bind(w, 24, prefetch=2)  # a table's tuned depth for the bucket: at any M
+    assert launch._main.pack.values[-1].value == 2 and kern.prefetch_for(8, 0) == 0
+    # the library hands the bucket's tuned depth to prepared and plain launches alike
+    from dflashgen.runtime.table import Choice
+
+    lib.table = types.SimpleNamespace(lookup=lambda key, m: Choice("kernel", entry["name"], m, "fake", prefetch=3))
+    mod = QuantLinear(_weight("fp8_channel", 14336, 5120), "qkv", library=lib)
+    assert mod.prepare(8) is not None
+    mod(_x(8, 5120))
+    assert rec.prefetch[-1] == 3
+    seen = {}
+    monkeypatch.setattr(lib, "kernel", lambda name: lambda x, w, out, prefetch=None: seen.setdefault("pf", prefetch))
+    lib.gemm(_x(16, 5120), mod.packed())
+    assert seen == {"pf": 3}
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "5")  # set: every M, over the table's depth
     kern = kernels.GemmKernel(entry, Path("/nonexistent"), 64, torch.device("cpu"))
     launch = kernels.GemmLaunch(kern)
-    launch.bind(w, 64)
-    assert launch._main.pack.values[-1].value == 3
+    launch.bind(w, 64, prefetch=2)
+    assert launch._main.pack.values[-1].value == 5
     monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "1")
     assert l2_prefetch_groups(90, "nvfp4", 5120, 1536) >= 1536 // 64  # 4.4 MB: its whole streams
     assert L2_PREFETCH_MAX_BYTES < 34816 * 5120 * 9 / 16 and l2_prefetch_groups(90, "nvfp4", 34816, 5120) == 0
@@ -370,6 +384,12 @@ def test_l2_prefetch_setting(fake_gpu, monkeypatch) -> None:
     assert mod.prepare(8) is not None  # the prepared (fast) launch: CPU tensors take it with the fake GPU
     mod(_x(8, 5120))
     assert rec.calls and rec.prefetch[-1] == 6
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "1")  # whole streams: clamped into the argument's 16 bits
+    kern = kernels.GemmKernel({**entry, "n": 5120, "k": 1536, "n_out": 5120, "n_pad": 5120},
+                              Path("/nonexistent"), 64, torch.device("cpu"))
+    launch = kernels.GemmLaunch(kern)
+    launch.bind(w, 8)
+    assert launch._main.pack.values[-1].value == kernels.LAUNCH_PREFETCH_MASK
     for bad in ("-1", "yes"):
         monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", bad)
         with pytest.raises(ValueError, match="DFLASHGEN_L2_PREFETCH must be an integer >= 0"):
@@ -727,3 +747,23 @@ def test_wsplit_kernels_launch_a_cta_per_k_worker(monkeypatch, tmp_path) -> None
     partials = kern._workspaces[7][0]
     assert partials.numel() == 8 * 64 * entry["n_pad"] and vals[6] == partials.data_ptr()
     assert not opted  # a 24 KB ring is static shared memory
+
+
+def test_pdl_trigger_setting(fake_gpu, monkeypatch) -> None:
+    """DFLASHGEN_PDL_TRIGGER=early sets LAUNCH_PDL_EARLY (bit 16) in every sm_90 launch's last
+    argument beside the prefetch depth; "end" (the default) and DFLASHGEN_PDL=0 leave it clear; other
+    values are named."""
+    from dflashgen.runtime import kernels
+
+    make, rec = fake_gpu
+    monkeypatch.setenv("DFLASHGEN_L2_PREFETCH", "6")
+    for trig, pdl, bit in (("early", "1", kernels.LAUNCH_PDL_EARLY), ("end", "1", 0), ("early", "0", 0)):
+        monkeypatch.setenv("DFLASHGEN_PDL_TRIGGER", trig)
+        monkeypatch.setenv("DFLASHGEN_PDL", pdl)
+        mod = QuantLinear(_weight("nvfp4", 24, 5120), "in_proj_ba", library=make("nvfp4", 24, 5120, split_k=2))
+        assert mod.prepare(8) is not None
+        mod(_x(8, 5120))
+        assert rec.prefetch[-1] == 6 | bit, (trig, pdl)
+    monkeypatch.setenv("DFLASHGEN_PDL_TRIGGER", "soon")
+    with pytest.raises(ValueError, match="DFLASHGEN_PDL_TRIGGER must be 'end' or 'early'"):
+        kernels.pdl_trigger_early()

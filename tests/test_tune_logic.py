@@ -9,7 +9,7 @@ import pytest
 from dflashgen.runtime.table import TableError, TuningTable
 
 from dflashgen.timing import Timing
-from dflashgen.tune import choose, heuristic_table, load_journal, prune, save_journal
+from dflashgen.tune import choose, heuristic_table, load_journal, pick_prefetch, prune, save_journal
 
 MS = (8, 16, 64)
 FP = {"gpu": "NVIDIA H200", "arch": 90, "sms": 132, "driver": "13.0", "cuda": "13.0", "torch": "2.11",
@@ -105,6 +105,34 @@ def test_table_round_trip_and_validation(tmp_path: Path) -> None:
     bad["problems"]["sm90/nvfp4/store/n64/k128"]["buckets"][0]["kernel"] = None
     with pytest.raises(TableError, match="names no kernel"):
         TuningTable(bad)
+    for pf in (-1, 2.5, "4", True):
+        bad = _table()
+        bad["problems"]["sm90/nvfp4/store/n64/k128"]["buckets"][0]["prefetch_groups"] = pf
+        with pytest.raises(TableError, match="prefetch_groups must be an integer >= 0"):
+            TuningTable(bad)
+
+
+def test_lookup_carries_a_tuned_prefetch_depth() -> None:
+    """A bucket's `prefetch_groups` (the tuner's measured L2 prefetch depth) reaches the dispatch;
+    buckets without one (every table before it) leave the runtime's default rule (None)."""
+    d = _table()
+    d["problems"]["sm90/nvfp4/store/n64/k128"]["buckets"][1]["prefetch_groups"] = 4
+    t = TuningTable(d)
+    key = "sm90/nvfp4/store/n64/k128"
+    assert t.lookup(key, 8).prefetch is None and t.lookup(key, 9).prefetch == 4
+    assert t.lookup(key, 64).prefetch is None
+
+
+def test_prefetch_depth_admitted_only_beyond_noise() -> None:
+    """pick_prefetch: the fastest raced depth replaces the default only if it beats the default's
+    time by more than the combined noise; a tie or the default's own depth keeps the default."""
+    default = Timing(10.0, 0.1)
+    assert pick_prefetch(default, 0, {2: Timing(9.5, 0.1), 4: Timing(9.2, 0.1), 6: Timing(9.9, 0.1)})[0] == 4
+    assert pick_prefetch(default, 0, {2: Timing(9.85, 0.1), 4: Timing(9.9, 0.1)})[0] is None  # within noise
+    assert pick_prefetch(default, 4, {0: Timing(10.5, 0.1), 2: Timing(10.2, 0.1)})[0] is None  # all slower
+    k, why = pick_prefetch(default, 4, {0: Timing(8.0, 0.1)})
+    assert k == 0 and "beats the default (4 groups)" in why  # switching the default off is a depth too
+    assert pick_prefetch(default, 0, {})[0] is None
 
 
 def test_table_from_another_gpu_is_refused() -> None:
@@ -396,3 +424,33 @@ def test_verify_problem_reports_plan_twins_on_the_cpu(monkeypatch) -> None:
     reports = verify.verify_problem(entries, images, (1, 8, 16), torch.device("cpu"))
     assert reports and all(r.ok for r in reports), [r.failures for r in reports]
     assert [(verify.group_key(entries[0]), 16, 0)] == verify.TWIN_RESULTS
+
+
+def test_race_prefetch_records_a_winning_depth(monkeypatch) -> None:
+    """race_prefetch: per bucket served by an sm_90 kernel, every other depth is timed; a winner
+    beyond noise is recorded (`prefetch_groups`, `us` at it), every depth's time is kept, and
+    sm_80 kernels, fallback buckets and DFLASHGEN_L2_PREFETCH-pinned kernels are left alone."""
+    import types
+
+    import torch
+
+    from dflashgen import tune
+
+    times = {0: 10.0, 1: 9.95, 2: 9.0, 4: 9.5, 6: 12.0}
+    monkeypatch.setattr(tune, "time_kernel",
+                        lambda kern, packed, x, copies, prefetch=None: Timing(times[prefetch], 0.05))
+
+    def kern(arch: int = 90, env: bool = False) -> types.SimpleNamespace:
+        return types.SimpleNamespace(arch=arch, prefetch_from_env=env, prefetch_for=lambda m: 0)
+
+    kernels = {"k90": kern(), "k80": kern(80), "kenv": kern(env=True)}
+    buckets = [{"m": 8, "path": "kernel", "kernel": "k90", "us": 10.0, "why": "w"},
+               {"m": 16, "path": "kernel", "kernel": "k80", "us": 10.0, "why": "w"},
+               {"m": 24, "path": "kernel", "kernel": "kenv", "us": 10.0, "why": "w"},
+               {"m": 32, "path": "fallback", "kernel": None, "why": "w"}]
+    timings = {n: {m: Timing(10.0, 0.05) for m in (8, 16, 24)} for n in kernels}
+    tune.race_prefetch(buckets, kernels, timings, None, 64, 2, torch.device("cpu"))
+    b = buckets[0]
+    assert b["prefetch_groups"] == 2 and b["us"] == 9.0 and "beats the default (0 groups)" in b["why"]
+    assert b["prefetch_us"] == {"0": 10.0, "1": 9.95, "2": 9.0, "4": 9.5, "6": 12.0}
+    assert all("prefetch_groups" not in x and "prefetch_us" not in x for x in buckets[1:])

@@ -7,6 +7,7 @@
 // dims       heads, head dims (<= 256) and conv width at run time
 // launch     grid (B x T, ceil(units / 4)), 128 threads: one warp per head and position
 #include <dflashgen/gdn_io.cuh>
+#include <dflashgen/pdl.cuh>
 
 static_assert(dflashgen::gdn_io::MAX_D == 256, "family and header disagree");
 
@@ -23,5 +24,6 @@ dfg_sm80_gdnio_w4_d256(const float* __restrict__ cat, int width, int c, int t_le
 extern "C" __global__ void __launch_bounds__(128)
 dfg_sm80_gdnio_w4_d256_gate(const float* __restrict__ o, const __half* __restrict__ z, long long z_row,
     const float* __restrict__ w, float eps, int nv, int dv, __half* __restrict__ out) {
+  dflashgen::pdl_release_dependents();  // out_proj may start loading its weights
   dflashgen::gdn_io::gate<4>(o, z, z_row, w, eps, nv, dv, out);
 }

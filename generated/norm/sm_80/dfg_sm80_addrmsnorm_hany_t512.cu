@@ -6,9 +6,11 @@
 // hidden     run time (% 4 == 0)
 // launch     grid (rows), 512 threads: one CTA per row
 #include <dflashgen/add_rmsnorm.cuh>
+#include <dflashgen/pdl.cuh>
 
 extern "C" __global__ void __launch_bounds__(512)
 dfg_sm80_addrmsnorm_hany_t512(const float* __restrict__ h, const __half* __restrict__ y, const float* __restrict__ w, float eps,
     int hidden, float* __restrict__ h_out, __half* __restrict__ x) {
+  dflashgen::pdl_release_dependents();  // the next projection may start loading its weights
   dflashgen::norm::add_rmsnorm<512, 0>(h, y, w, eps, hidden, h_out, x);
 }

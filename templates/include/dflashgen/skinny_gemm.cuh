@@ -79,6 +79,12 @@ __device__ __forceinline__ void pdl_wait_after(unsigned dep) {
   (void)dep;
 #endif
 }
+// The kernels' last argument (`prefetch_groups` in the generated signatures; run's `launch_opts`):
+// bits 0-15 the L2 prefetch groups;
+// LAUNCH_PDL_EARLY releases the next GEMM right after this kernel's own wait (it may then start as soon
+// as this grid's last CTAs are placed and load its weights under this grid's last wave) instead of
+// after the main loop. Never before that wait: at most one grid runs ahead.
+constexpr int LAUNCH_PREFETCH_MASK = 0xFFFF, LAUNCH_PDL_EARLY = 1 << 16;
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -294,11 +300,14 @@ struct SkinnyGemm {
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
                              __half* __restrict__ out, float* __restrict__ partial, Smem& smem,
-                             unsigned int* __restrict__ tickets, int prefetch_groups) {
+                             unsigned int* __restrict__ tickets, int launch_opts) {
+    const int prefetch_groups = launch_opts & LAUNCH_PREFETCH_MASK;
+    const bool pdl_early = (launch_opts & LAUNCH_PDL_EARLY) != 0;
 #ifdef DFLASHGEN_WGMMA
     if constexpr (WG) {
       if (threadIdx.x >= 32 * Cfg::WARPS_N * Cfg::WARPS_K) {  // the activation producer warp
         pdl_wait();
+        if (pdl_early) pdl_launch_dependents();
         produce_wgmma(x, M, smem);
         pdl_launch_dependents();
         return;
@@ -406,6 +415,7 @@ struct SkinnyGemm {
       // of the wait; each trip then asks for the next trip's at its top.
       if constexpr (L2A) l2_ahead<U>(wp, sp, Cfg::STAGES, groups);
       pdl_wait_after(dep);
+      if (pdl_early) pdl_launch_dependents();
       if constexpr (WG) {
 #ifdef DFLASHGEN_WGMMA
         run_wgmma(groups, wk, wp, sp, wbuf, sbuf, acc, smem);
@@ -484,7 +494,7 @@ struct SkinnyGemm {
       }  // !X_SMEM
     }
 
-    pdl_launch_dependents();  // main loop done: the next GEMM may start streaming its weights
+    pdl_launch_dependents();  // main loop done: the next GEMM may start streaming its weights (if not yet)
     // Intra-CTA K reduction in warp order.
     if constexpr (WK_CTA > 1) {
       if constexpr (Cfg::X_SMEM || W_ASYNC) __syncthreads();  // `red` overlays the other workers' rings
