@@ -163,6 +163,12 @@ def test_carry_build_keeps_the_record_and_its_files(tmp_path: Path, monkeypatch:
     (b / "sm_70/record.json").write_text(json.dumps(rec))
     monkeypatch.setattr(mod, "_entries", lambda arch: [{"name": "k", "source_sha256": "s1"}])
     mod.main(str(tmp_path))
+    assert not b.exists()  # packed for the device tool's carry limit; tools/gpu_env.sh unpacks it
+    import tarfile
+
+    with tarfile.open(tmp_path / "build.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    (tmp_path / "build.tar.gz").unlink()
     left = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     assert left == ["sm_70/aa/k.cubin", "sm_70/aa/k.ptx", "sm_70/aa/k.ptxas.txt", "sm_70/record.json"]
     assert set(json.loads((b / "sm_70/record.json").read_text())["kernels"]) == {"k"}

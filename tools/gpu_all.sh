@@ -24,7 +24,10 @@
 #                                          # GEMM can feed: m64n64k16 RS vs m64n256k16 SS, with and
 #                                          # without a storing warpgroup) and tools/wgmma_swap_proto.cu
 #                                          # (an FP8 GEMM with the batch rows as A, self-checked, timed
-#                                          # at four shapes); ~2 min, no dflashgen kernels
+#                                          # at four shapes per SWAP_VARIANTS="RAW,BST,WLOAD ...";
+#                                          # PROBE=0 skips the probe, NCU_SWAP="RAW,BST,WLOAD" profiles
+#                                          # one variant); ~1-2 min, no dflashgen kernels; carry
+#                                          # .build/include (the CUTLASS headers)
 #   PART=P ...                             # runtime-knob A/B on PART=A's table (or the committed one):
 #                                          # `dflashgen bench --ms $MS $BENCH_ARGS` once per ENVS item
 #                                          # ("NAME=VALUE", VALUE "default": unset) or, without ENVS, per
@@ -111,13 +114,38 @@ P)
   gpu_tests 200 ;;
 W)
   inc=${DFLASHGEN_CUTLASS_INCLUDE:-$(python3 -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
-  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
-  timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt"
+  if [ "${PROBE:-1}" != 0 ]; then  # PROBE=0: the prototype only
+    nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_roles_probe.cu -o "$R/wgmma_roles_probe" 2>&1 | tail -3
+    timeout 120 "$R/wgmma_roles_probe" 2>&1 | tee "$R/wgmma-roles.txt"
+  fi
   # the batch-rows-as-A prototype (FP8, M <= 64): self-checked against an FP32 reference, then timed
-  nvcc -std=c++17 -O3 -arch=sm_90a -I"$inc" -Itemplates/include tools/wgmma_swap_proto.cu -o "$R/wgmma_swap_proto" 2>&1 | tail -3
-  for shape in "34816 5120 64" "33792 5120 64" "14336 5120 64" "34816 5120 32"; do
-    timeout 60 "$R/wgmma_swap_proto" $shape 2>&1 | tee -a "$R/wgmma-swap.txt"
-  done ;;
+  # per SWAP_VARIANTS item "RAW,BST,WLOAD[,PF[,ROT[,DEFS]]]" (ring depths: SWAP_RAW chunks of FP8 weights + activations,
+  # SWAP_BST FP16 weight stages; SWAP_WLOAD how the weights are copied, SWAP_PF the L2 prefetch
+  # distance, SWAP_ROT each CTA's K starting chunk, DEFS more
+  # -D flags joined by '+', e.g. SWAP_ELECT=1+SWAP_NOCVT=1: see the prototype's header)
+  echo "${SWAP_VARIANTS:-5,3,0 5,3,1 5,3,2}" | tr ' ' '\n' | while IFS=, read -r raw bst wl pf rot defs; do
+    extra=""; [ -n "${defs:-}" ] && extra="-D${defs//+/ -D}"
+    nvcc -std=c++17 -O3 -arch=sm_90a -DSWAP_RAW=$raw -DSWAP_BST=$bst -DSWAP_WLOAD=$wl -DSWAP_PF=${pf:-0} -DSWAP_ROT=${rot:-0} $extra -I"$inc" \
+      -Itemplates/include tools/wgmma_swap_proto.cu -o "$R/swap-$raw-$bst-$wl-${pf:-0}-${rot:-0}-${defs:-}" 2>&1 | tail -3
+    for shape in ${SWAP_SHAPES:-"34816,5120,64" "33792,5120,64" "14336,5120,64" "34816,5120,32"}; do
+      shape=${shape//,/ }
+      timeout 60 "$R/swap-$raw-$bst-$wl-${pf:-0}-${rot:-0}-${defs:-}" $shape 2>&1 | tee -a "$R/wgmma-swap.txt"
+    done
+  done
+  # NCU_SWAP="RAW,BST,WLOAD[,PF[,ROT[,DEFS]]]" (one of SWAP_VARIANTS): ncu of that variant at n33792 (one wave): speed of light + stalls per SASS line
+  if [ -n "${NCU_SWAP:-}" ]; then
+    IFS=, read -r raw bst wl pf rot defs <<< "$NCU_SWAP"
+    timeout 120 $NCU -k regex:swap_gemm --launch-skip 1 --launch-count 1 "$R/swap-$raw-$bst-$wl-${pf:-0}-${rot:-0}-${defs:-}" 33792 5120 64 \
+      > "$R/ncu-swap.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache|Issue Slots|Registers Per|Achieved Occ" "$R/ncu-swap.txt"
+    rep=/tmp/ncu-swap-$RANDOM
+    timeout 120 ncu --clock-control none --section SourceCounters --section WarpStateStats -k regex:swap_gemm \
+      --launch-skip 1 --launch-count 1 -o "$rep" "$R/swap-$raw-$bst-$wl-${pf:-0}-${rot:-0}-${defs:-}" 33792 5120 64 > /dev/null 2>&1
+    ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2> "$rep.err"
+    python3 tools/ncu_stalls.py "$rep.csv" > "$R/stalls-swap.txt" 2>&1 || cat "$rep.err" >> "$R/stalls-swap.txt"
+    head -30 "$R/stalls-swap.txt"
+  fi
+  rm -f "$R"/swap-* "$R/wgmma_roles_probe" ;;
 R)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi

@@ -2,6 +2,10 @@
 # PTX, and the CUTLASS header subset in .build/include when the GPU machine has no nvidia-cutlass wheel.
 export DFLASHGEN_CACHE=${DFLASHGEN_CACHE:-$PWD/.build} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296
+# a carried .build holds the sm_70 build packed (tools/carry_build.py): unpack it once
+if [ -f "$DFLASHGEN_CACHE/build.tar.gz" ]; then
+  tar xzf "$DFLASHGEN_CACHE/build.tar.gz" -C "$DFLASHGEN_CACHE" && rm -f "$DFLASHGEN_CACHE/build.tar.gz"
+fi
 if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
   export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
 fi
