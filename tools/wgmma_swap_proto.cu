@@ -81,7 +81,11 @@ constexpr int RAW_STAGE = W_RAW + A_STAGE;  // FP8 weights, then the chunk's act
 // SWAP_ELECT 1: one arrival per converting warp on the B stage's full barrier (after every lane's
 // proxy fence and a __syncwarp) instead of one per thread. SWAP_NOCVT 1 (timing only, fails the
 // check): the converting warps skip the conversion and its shared-memory traffic and only hand the
-// stages over, so what is left is the copies, the synchronisation and the wgmma.
+// stages over, so what is left is the copies, the synchronisation and the wgmma. SWAP_NOMMA 1 (timing
+// only): the consumer skips its wgmmas (the copies, conversions and stage hand-offs stay).
+#ifndef SWAP_NOMMA
+#define SWAP_NOMMA 0
+#endif
 #ifndef SWAP_ELECT
 #define SWAP_ELECT 0
 #endif
@@ -256,7 +260,7 @@ swap_gemm(const __half* __restrict__ x, int M, int K, const uint8_t* __restrict_
     cute::warpgroup_arrive();
     const uint32_t a = raw_ring + (c % RAW) * RAW_STAGE + W_RAW, b = b_ring + s * B_STAGE;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
+    for (int ks = 0; ks < KS * !SWAP_NOMMA; ++ks)
       ss256(desc(a + ks * A_KSTEP), desc(b + ks * B_KSTEP), acc, std::make_index_sequence<128>{});
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // chunk c - 1's wgmmas are done: free its B and RAW slots
@@ -358,8 +362,8 @@ int main(int argc, char** argv) {
   }
   std::sort(t.begin(), t.end());
   const double us = t[t.size() / 2] * 1e3;
-  std::printf("swap_gemm ELECT %d NOCVT %d WLOAD %d PF %d ROT %d RAW %d BST %d FP8 N %d K %d M %d: %s, rel L2 %.2e, non-finite %zu, median %.1f us (%.0f GB/s of weights, "
-              "%.0f TFLOP/s), %d CTAs of 256 rows\n", SWAP_ELECT, SWAP_NOCVT, SWAP_WLOAD, SWAP_PF, SWAP_ROT, RAW, BST, N, K, M, cudaGetErrorString(err), rel, bad, us,
+  std::printf("swap_gemm ELECT %d NOCVT %d NOMMA %d WLOAD %d PF %d ROT %d RAW %d BST %d FP8 N %d K %d M %d: %s, rel L2 %.2e, non-finite %zu, median %.1f us (%.0f GB/s of weights, "
+              "%.0f TFLOP/s), %d CTAs of 256 rows\n", SWAP_ELECT, SWAP_NOCVT, SWAP_NOMMA, SWAP_WLOAD, SWAP_PF, SWAP_ROT, RAW, BST, N, K, M, cudaGetErrorString(err), rel, bad, us,
               double(N) * K / (us * 1e3), 2.0 * M * N * K / (us * 1e6), N / NT);
   return rel < 2e-3 && !bad && err == cudaSuccess ? 0 : 1;
 }
