@@ -22,7 +22,8 @@ def main(cache: str = ".build", arch: int = 70) -> None:
     build = Path(cache) / "build"
     record = build / f"sm_{arch}" / "record.json"
     if not record.exists():
-        sys.exit(f"no {record}: run `dflashgen build --arch {arch}` with DFLASHGEN_CACHE={cache} first")
+        packed = " (already packed: rebuild to repack)" if (Path(cache) / "build.tar.gz").exists() else ""
+        sys.exit(f"no {record}{packed}: run `dflashgen build --arch {arch}` with DFLASHGEN_CACHE={cache} first")
     kernels = json.loads(record.read_text())["kernels"]
     current = {e["name"]: e["source_sha256"] for e in _entries(arch)}
     stale = sorted(n for n in current if kernels.get(n, {}).get("source_sha256") != current[n])
