@@ -116,6 +116,14 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// one packed 16 KB weight chunk into a RAW slot by a bulk copy completing on `bar` (its expected bytes
+// set here: one thread issues both)
+__device__ __forceinline__ void bulk_chunk(uint32_t slot, const uint8_t* src, uint32_t bar) {
+  dflashgen::mbar_arrive_tx(bar, W_RAW);
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(slot), "l"(src), "r"(W_RAW), "r"(bar) : "memory");
+}
+
 // x [M, K] FP16, w E4M3 (SWAP_WLOAD 0: [N, K] row-major; else packed as main() packs it), scale [N] FP32
 // -> y [M, N] FP16. N % 256 == 0, K % 64 == 0.
 __global__ void __launch_bounds__(384, 1)
@@ -169,10 +177,7 @@ swap_gemm(const __half* __restrict__ x, int M, int K, const uint8_t* __restrict_
 #pragma unroll
           for (int i = 0; i < 4; ++i) cp16(slot + i * (W_RAW / 4) + pt * 16, wcta + c * W_RAW + i * (W_RAW / 4) + pt * 16);
         } else if (pt == 0) {
-          const uint32_t bar = bars + 8 * (2 * BST + RAW + t);
-          dflashgen::mbar_arrive_tx(bar, W_RAW);
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                       ::"r"(slot), "l"(wcta + static_cast<size_t>(c) * W_RAW), "r"(W_RAW), "r"(bar) : "memory");
+          bulk_chunk(slot, wcta + static_cast<size_t>(c) * W_RAW, bars + 8 * (2 * BST + RAW + t));
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -231,11 +236,7 @@ swap_gemm(const __half* __restrict__ x, int M, int K, const uint8_t* __restrict_
     prefetch(c + SWAP_PF);
     const int t = c % RAW;
     const uint32_t slot = raw_ring + t * RAW_STAGE, bar = bars + 8 * (2 * BST + RAW + t);
-    if (threadIdx.x == 0) {
-      dflashgen::mbar_arrive_tx(bar, W_RAW);
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(slot), "l"(wcta + static_cast<size_t>(kchunk(c)) * W_RAW), "r"(W_RAW), "r"(bar) : "memory");
-    }
+    if (threadIdx.x == 0) bulk_chunk(slot, wcta + static_cast<size_t>(kchunk(c)) * W_RAW, bar);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int idx = threadIdx.x + 128 * j, p = (idx >> 3) & 7, row = (idx >> 6) * 8 + (idx & 7);
