@@ -112,6 +112,16 @@ class _Launcher:
         mod = load_module(entry, device_index)
         self.main, self.merge = mod.function(entry["name"]), mod.function(entry["name"] + "_merge")
         self.main.allow_dynamic_smem(entry["smem"])
+        self.pdl = pdl_launch(entry)
+
+
+def pdl_launch(entry: dict[str, Any]) -> bool:
+    """Whether a kernel's two functions launch with programmatic stream serialization. sm_90 builds
+    wait (griddepcontrol.wait) before touching memory and release their successor at their start
+    (templates/verify_attention.cu.j2), so the merge's CTAs are placed while the main kernel runs.
+    Other builds (the compute_70 PTX on any GPU) have no wait and launch plainly, as does every
+    kernel under DFLASHGEN_PDL=0."""
+    return int(entry["arch"]) >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
 
 
 _LAUNCHERS: dict[tuple[str, int], _Launcher] = {}
@@ -318,12 +328,12 @@ def paged_verify_attention(
          ctypes.c_int(block_tables.stride(0)), vp(lengths.data_ptr()),
          ctypes.c_float(sm_scale * _LOG2E * float(k_scale) * fp8_unit), vp(part_o.data_ptr()),
          vp(part_ml.data_ptr()), ctypes.c_int(max_splits), vp(err.data_ptr()), *maps],
-        stream, shared=int(entry["smem"]))
+        stream, shared=int(entry["smem"]), pdl=fn.pdl)
     fn.merge.launch(
         (rows, hkv, nb), (d // 4, 1, 1),
         [vp(part_o.data_ptr()), vp(part_ml.data_ptr()), ctypes.c_int(nq), vp(lengths.data_ptr()), ctypes.c_int(cap),
          ctypes.c_int(max_splits), ctypes.c_float(float(v_scale) * fp8_unit), vp(out.data_ptr())],
-        stream)
+        stream, pdl=fn.pdl)
     return out
 
 

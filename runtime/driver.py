@@ -278,8 +278,22 @@ class Function:
         return int(check(cu().cuFuncGetAttribute(a, self.handle), f"cuFuncGetAttribute {attr}"))
 
     def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], stream: int,
-               shared: int = 0) -> None:
-        """args: ctypes values in the kernel's parameter order."""
+               shared: int = 0, pdl: bool = False) -> None:
+        """args: ctypes values in the kernel's parameter order. ``pdl``: programmatic stream
+        serialization (cuLaunchKernelEx; see ``LaunchArgs``), only for kernels that execute
+        ``griddepcontrol.wait`` before touching memory; a plain launch where libcuda's entry point
+        is not reachable through ctypes."""
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        check(cu().cuLaunchKernel(self.handle, *grid, *block, shared, stream, ctypes.addressof(ptrs), 0),
-              f"launching {self.name}")
+        ex = _untyped_launch_ex() if pdl else None
+        if ex is None:
+            check(cu().cuLaunchKernel(self.handle, *grid, *block, shared, stream, ctypes.addressof(ptrs), 0),
+                  f"launching {self.name}")
+            return
+        attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        cfg = _LaunchConfig()
+        cfg.grid[:], cfg.block[:] = list(grid), list(block)
+        cfg.shared, cfg.stream, cfg.attrs, cfg.num_attrs = shared, stream, ctypes.pointer(attr), 1
+        err = ex(ctypes.byref(cfg), ctypes.c_void_p(self._raw_handle), ctypes.c_void_p(ctypes.addressof(ptrs)), None)
+        if err:
+            check((cu().CUresult(err),), f"launching {self.name}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -655,14 +656,17 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.pdls: list[bool] = []
+        self.pdl = True  # as _Launcher sets it for a sm_90 build
         self.main, self.merge = self._fn("main"), self._fn("merge")
 
     def _fn(self, which: str):
         rec = self
 
         class Fn:
-            def launch(self, grid, block, args, stream, shared=0) -> None:
+            def launch(self, grid, block, args, stream, shared=0, pdl=False) -> None:
                 rec.calls.append((which, grid, block, [getattr(a, "value", a) for a in args], shared))
+                rec.pdls.append(pdl)
 
         return Fn()
 
@@ -692,6 +696,7 @@ def test_launch_arguments(monkeypatch, dtype) -> None:
     assert out.shape == (2, 8, 6, 256) and out.dtype == torch.float32
     e = select_kernel(90, 6, 1, 256, ak.KV_TAG[dtype], 16)
     (w1, grid, block, a, smem), (w2, mgrid, mblock, m, _) = rec.calls
+    assert rec.pdls == [True, True]  # both functions with programmatic serialization (the launcher's flag)
     splits = ak.entry_rule(e).max_splits(64)  # the rule's most splits up to the table's 64 tokens
     assert splits == max(ak.entry_rule(e).splits(n) for n in range(1, 65))
     # (row parts x KV heads, requests, splits): the split index varies slowest (working CTAs first)
@@ -857,3 +862,28 @@ def test_wgmma_kernel_takes_row_parts() -> None:
             twin = [t for t in specs if t.wg and t.hs == 1 and (t.hq, t.hkv, t.tile, t.stages, t.kvg, t.split, t.short)
                     == (s.hq, s.hkv, s.tile, s.stages, s.kvg, s.split, s.short)]
             assert twin and "_hs3_" in s.name and s.smem == twin[0].smem
+
+
+def test_pdl_launch_only_for_sm90_builds(monkeypatch) -> None:
+    """Programmatic serialization only for builds that execute griddepcontrol.wait (sm_90): the
+    compute_70 PTX served on any GPU has no wait, so it must launch plainly; DFLASHGEN_PDL=0 turns it off."""
+    import dflashgen.runtime.attention_kernel as ak
+
+    monkeypatch.delenv("DFLASHGEN_PDL", raising=False)
+    assert ak.pdl_launch({"arch": 90}) and not ak.pdl_launch({"arch": 80}) and not ak.pdl_launch({"arch": 70})
+    monkeypatch.setenv("DFLASHGEN_PDL", "0")
+    assert not ak.pdl_launch({"arch": 90})
+
+
+def test_attention_kernels_wait_before_touching_memory() -> None:
+    """Every rendered attention kernel (main and merge) waits for its predecessor before anything
+    else: the runtime launches sm_90 builds with programmatic serialization, and a kernel that read
+    or wrote before the wait would race the previous kernel in the stream."""
+    src = (Path(__file__).resolve().parents[1] / "templates" / "verify_attention.cu.j2").read_text()
+    bodies = src.split("extern \"C\" __global__")[1:]
+    assert len(bodies) == 2
+    for body in bodies:
+        code = body[body.index("{") + 1:]
+        first_use = min(code.index(x) for x in ("Attn::run", "Attn::merge") if x in code)
+        assert "dflashgen::pdl_wait();" in code[:first_use]
+

@@ -10,6 +10,7 @@
 // launch     main: grid (1 x 4, B, max_splits) x 128 threads, 99472 B dynamic smem (split index slowest);
 //            merge: grid (48, 4, B) x 64 threads
 #include <dflashgen/verify_attention_wgmma.cuh>
+#include <dflashgen/pdl.cuh>
 
 namespace {
 struct Cfg {
@@ -52,6 +53,10 @@ dfg_attn_sm90_h24kv4_d256_q8_e4m3_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8
     const int* __restrict__ lengths, float qk_scale, __half* __restrict__ part_o, float* __restrict__ part_ml,
     int max_splits, int* __restrict__ err) {
   extern __shared__ __align__(1024) char smem[];
+  // sm_90 launches both kernels with programmatic serialization: the merge's CTAs may be placed now
+  // (they wait for this grid to finish); this grid waits for its predecessor before touching memory.
+  dflashgen::pdl_release_dependents();
+  dflashgen::pdl_wait();
   Attn::run(q, nq, kpool, vpool, block_stride, num_blocks, block_tables, table_stride, lengths, qk_scale, part_o,
             part_ml, max_splits, err, smem);
 }
@@ -59,5 +64,7 @@ dfg_attn_sm90_h24kv4_d256_q8_e4m3_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8
 extern "C" __global__ void __launch_bounds__(64)
 dfg_attn_sm90_h24kv4_d256_q8_e4m3_p16_t32_st2_g1_hs1_ds1_wg1_sp512_le2048s64_le8192s128_merge(const __half* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
     const int* __restrict__ lengths, int capacity, int max_splits, float v_scale, float* __restrict__ out) {
+  dflashgen::pdl_release_dependents();
+  dflashgen::pdl_wait();  // the main kernel's partials
   Attn::merge(part_o, part_ml, nq, lengths, capacity, max_splits, v_scale, out);
 }

@@ -10,6 +10,7 @@
 // launch     main: grid (1 x 1, B, max_splits) x 160 threads, 132224 B dynamic smem (split index slowest);
 //            merge: grid (48, 1, B) x 64 threads
 #include <dflashgen/verify_attention_wgmma.cuh>
+#include <dflashgen/pdl.cuh>
 
 namespace {
 struct Cfg {
@@ -55,6 +56,10 @@ dfg_attn_sm90_h6kv1_d256_q8_fp16_p16_t32_st3_g1_hs1_ds1_wg1_tma1_sp256_le2048s32
     int max_splits, int* __restrict__ err,
     const __grid_constant__ dflashgen::wgattn::TmaMap kmap, const __grid_constant__ dflashgen::wgattn::TmaMap vmap) {
   extern __shared__ __align__(1024) char smem[];
+  // sm_90 launches both kernels with programmatic serialization: the merge's CTAs may be placed now
+  // (they wait for this grid to finish); this grid waits for its predecessor before touching memory.
+  dflashgen::pdl_release_dependents();
+  dflashgen::pdl_wait();
   Attn::run(q, nq, kpool, vpool, block_stride, num_blocks, block_tables, table_stride, lengths, qk_scale, part_o,
             part_ml, max_splits, err, smem, &kmap, &vmap);
 }
@@ -62,5 +67,7 @@ dfg_attn_sm90_h6kv1_d256_q8_fp16_p16_t32_st3_g1_hs1_ds1_wg1_tma1_sp256_le2048s32
 extern "C" __global__ void __launch_bounds__(64)
 dfg_attn_sm90_h6kv1_d256_q8_fp16_p16_t32_st3_g1_hs1_ds1_wg1_tma1_sp256_le2048s32_le4096s64_le8192s128_merge(const __half* __restrict__ part_o, const float* __restrict__ part_ml, int nq,
     const int* __restrict__ lengths, int capacity, int max_splits, float v_scale, float* __restrict__ out) {
+  dflashgen::pdl_release_dependents();
+  dflashgen::pdl_wait();  // the main kernel's partials
   Attn::merge(part_o, part_ml, nq, lengths, capacity, max_splits, v_scale, out);
 }

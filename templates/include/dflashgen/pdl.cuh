@@ -5,6 +5,10 @@
 // placed and load their first weight groups while this kernel runs instead of after it; the GEMM's
 // wait still returns only once this whole grid has finished and its writes are visible. A kernel
 // followed by a plainly launched one is unaffected.
+//
+// The verify-attention kernels are launched that way too (runtime/attention_kernel.py): each waits
+// (pdl_wait) before it reads or writes anything, and releases its successor at its start, so the
+// merge kernel's CTAs are placed while the main kernel runs and start the moment it has finished.
 #pragma once
 
 namespace dflashgen {
@@ -12,6 +16,14 @@ namespace dflashgen {
 __device__ __forceinline__ void pdl_release_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Blocks until every grid this one depends on (programmatic stream serialization) has finished and
+// its writes are visible; a no-op for a plain launch. Call before the first global read or write.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 

@@ -614,47 +614,49 @@ struct VerifyAttention {
       const int size = Cfg::split_for(len), ns = (len + size - 1) / size;
       const long long slot0 = (static_cast<long long>(b) * HKV + kh) * max_splits;
       const float* ml = part_ml + (slot0 * ROWS_ALL + r) * 2;
-      // Chunks of MCH splits: all of a chunk's loads issue before the first use. (`#pragma unroll 16` over
-      // a runtime count left ns % 16 splits to a rolled remainder loop, one L2 round trip per split:
-      // every split of a request with < 16 splits, i.e. all short requests.) Same order, same bits.
-      // The max pass holds one float per split: chunks of MCH_MAX = 64, one L2 round trip for every
-      // request of <= 64 splits (the short tiers: TP4 1K has 33), where chunks of 16 took ceil(ns / 16).
-      constexpr int MCH = 16, MCH_MAX = 64;
+      const __half* po = part_o + (slot0 * ROWS_ALL + r) * D + 4 * threadIdx.x;
+      // Chunks of MCH splits, (max, sum) and O loaded together: every load of a chunk issues before
+      // its first use, and chunk 0's issue with the max pass over the other splits' maxima, so a
+      // request of <= MCH splits (every split of TP1 / TP4 up to 16K) costs one L2 round trip, where
+      // a max pass then chunks of 16 took 1 + ceil(ns / 16) (the merge was ~5 of TP1 16K B1's 35 us).
+      // The arithmetic and its order are unchanged (same bits).
+      constexpr int MCH = 32, MCH_MAX = 64;
+      float2 p[MCH];
+      uint2 x[MCH];
+      auto load_chunk = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < MCH; ++j) {
+          const bool ok = s0 + j < ns;
+          p[j] = ok ? *reinterpret_cast<const float2*>(ml + (s0 + j) * ROWS_ALL * 2) : make_float2(-DFG_INF, 0.0f);
+          x[j] = ok ? *reinterpret_cast<const uint2*>(po + (s0 + j) * ROWS_ALL * D) : make_uint2(0u, 0u);
+        }
+      };
+      load_chunk(0);
       float mx = -DFG_INF;
-      for (int s0 = 0; s0 < ns; s0 += MCH_MAX) {
+      for (int s0 = MCH; s0 < ns; s0 += MCH_MAX) {  // the maxima past chunk 0 (none for <= MCH splits)
         float m[MCH_MAX];
 #pragma unroll
         for (int j = 0; j < MCH_MAX; ++j) m[j] = s0 + j < ns ? ml[(s0 + j) * ROWS_ALL * 2] : -DFG_INF;
 #pragma unroll
         for (int j = 0; j < MCH_MAX; ++j) mx = fmaxf(mx, m[j]);  // max with -inf: a no-op for the tail
       }
+#pragma unroll
+      for (int j = 0; j < MCH; ++j) mx = fmaxf(mx, p[j].x);  // a max: the same value in any order
       float den = 0.0f;
       float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       for (int s0 = 0; s0 < ns; s0 += MCH) {
-        float2 p[MCH];
-        float4 x[MCH];
-#pragma unroll
-        for (int j = 0; j < MCH; ++j) {
-          const bool ok = s0 + j < ns;
-          p[j] = ok ? *reinterpret_cast<const float2*>(ml + (s0 + j) * ROWS_ALL * 2) : make_float2(0.0f, 0.0f);
-          if (ok) {
-            const uint2 h = *reinterpret_cast<const uint2*>(part_o + ((slot0 + s0 + j) * ROWS_ALL + r) * D + 4 * threadIdx.x);
-            const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
-            const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
-            x[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
-          } else {
-            x[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          }
-        }
+        if (s0 > 0) load_chunk(s0);
 #pragma unroll
         for (int j = 0; j < MCH; ++j) {
           if (s0 + j >= ns) break;
+          const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&x[j].x));
+          const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&x[j].y));
           const float w = p[j].y * exp2f(p[j].x - mx);  // split 0 holds position 0: mx is finite
           den += w;
-          num.x += x[j].x * w;
-          num.y += x[j].y * w;
-          num.z += x[j].z * w;
-          num.w += x[j].w * w;
+          num.x += lo.x * w;
+          num.y += lo.y * w;
+          num.z += hi.x * w;
+          num.w += hi.y * w;
         }
       }
       const float f = v_scale / den;
