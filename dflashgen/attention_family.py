@@ -62,6 +62,10 @@ class AttnSpec:
     # a served wg kernel: the mma.sync kernel next in default_for's list, served instead when
     # DFLASHGEN_ATTN_WG=0 (emitted too); not part of the name
     fallback: str = ""
+    # a served wg kernel: its deeper-ring bitwise twin (`deep_for` in the YAML: same tile, token groups
+    # and split rule, more stages, so one CTA per SM), which the runtime serves instead when a batch at
+    # the block table's capacity would occupy at most one CTA per SM (runtime/attention_kernel.py)
+    deep: str = ""
 
     @property
     def name(self) -> str:
@@ -141,6 +145,8 @@ class AttnSpec:
             del m["tma"]  # tma: 1 entries take two tensor-map parameters (runtime/attention_kernel.py)
         if not self.fallback:
             del m["fallback"]
+        if not self.deep:
+            del m["deep"]
         return m
 
 
@@ -276,6 +282,14 @@ def specs() -> list[AttnSpec]:
                         fb = make(back, False)
                         out.setdefault(fb.name, fb)
                         pick = replace(pick, fallback=fb.name)
+                    deep = a.get("deep_for", {}).get(hkv)
+                    if deep is not None and pick.wg:  # (FP8 KV and 4-token pages serve mma.sync: none)
+                        twin = make({"short": sch.get("short_splits"), **deep}, False)
+                        if bitwise_key(twin) != bitwise_key(pick) or twin.stages <= pick.stages:
+                            raise AttnScheduleError(f"{twin.name}: deep_for must be a deeper-ring twin of the served "
+                                                    f"{pick.name} (same tile, groups, split rule; more stages)")
+                        out.setdefault(twin.name, twin)
+                        pick = replace(pick, deep=twin.name)
                     out[pick.name] = pick
                     # benchmark candidates: page 16, FP16 KV unless the variant lists its `kv` dtypes; an
                     # extra equal to the served schedule stays the served one
@@ -284,6 +298,13 @@ def specs() -> list[AttnSpec]:
                             spec = make(var, False)
                             out.setdefault(spec.name, spec)
     return [out[n] for n in sorted(out)]
+
+
+def bitwise_key(spec: AttnSpec) -> tuple[Any, ...]:
+    """What a kernel's bits depend on beyond its inputs: schedules equal here give equal outputs (stages,
+    row parts, the D split and TMA only move the same arithmetic; the GPU tests check it)."""
+    return (spec.arch, spec.hq, spec.hkv, spec.d, spec.qrows, spec.kv, spec.page, spec.tile, spec.kvg,
+            spec.split, spec.short, spec.wg)
 
 
 def render(spec: AttnSpec) -> str:

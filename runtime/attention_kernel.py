@@ -115,6 +115,28 @@ class _Launcher:
         self.pdl = pdl_launch(entry)
 
 
+def serving_entry(entry: dict[str, Any], nb: int, capacity: int, device_index: int) -> dict[str, Any]:
+    """The served schedule for ``nb`` requests in a block table of ``capacity`` tokens: its deep twin
+    (manifest ``deep``: more ring stages, one CTA per SM, the same bits) when ``nb`` requests of that
+    length would occupy at most one CTA per SM -- the served ring's second CTA per SM would never
+    come, and the deeper ring keeps more bytes in flight (schedules/attention.yaml ``deep_for``).
+    Decided on the host from the batch size and the table's width, never the device-side lengths, so
+    a CUDA graph captures one kernel; both give every request the same bits, so the choice is not
+    visible in any output. ``DFLASHGEN_ATTN_DEEP=0`` keeps the served schedule."""
+    deep = entry.get("deep")
+    if not deep or os.environ.get("DFLASHGEN_ATTN_DEEP", "1") == "0":
+        return entry
+    ctas = nb * entry["hkv"] * int(entry.get("hs", 1)) * entry_rule(entry).splits(capacity)
+    if ctas > _sm_count(device_index):
+        return entry
+    return select_kernel(entry["arch"], entry["hq"], entry["hkv"], entry["d"], entry["kv"], entry["page"], deep)
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def pdl_launch(entry: dict[str, Any]) -> bool:
     """Whether a kernel's two functions launch with programmatic stream serialization. sm_90 builds
     wait (griddepcontrol.wait) before touching memory and release their successor at their start
@@ -313,6 +335,8 @@ def paged_verify_attention(
     fp8_unit = 256.0 if kv == "e4m3" else 1.0  # E4M3 decodes to value * 2^-8 (exact)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     idx, stream = _stream(dev)
+    if kernel is None:  # (the twin has the served split rule: the workspace above fits it)
+        entry = serving_entry(entry, nb, cap, idx)
     fn = _launcher(entry, idx)
     err = _err_flag(idx)
     vp = ctypes.c_void_p

@@ -638,7 +638,10 @@ def test_bench_markdown_renders_a_report() -> None:
     row16 = {**row, "ctx": 16384, "roofline_us": 5.0}
     md = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
                    "seconds": 30.0, "rows": [row, row16]})
-    assert "| tp4 (6/1) | 1024 | 2 | 10.0 | 50% | 60% | 12.0 | 11.0 | n/a | sdpa_flash_us | x1.10 |" in md
+    assert "| tp4 (6/1) | 1024 | 2 | 10.0 | default | 50% | 60% | 12.0 | 11.0 | n/a | sdpa_flash_us | x1.10 |" in md
+    deep = markdown({"gpu": "H200", "kernel_arch": 90, "page": 16, "nq": 8, "head_dim": 256, "read_GBps": 4300.0,
+                     "seconds": 30.0, "rows": [{**row, "ours_kernel": "dfg_attn_y"}]})
+    assert "| tp4 (6/1) | 1024 | 2 | 10.0 | deep | 50% |" in deep  # the runtime served the deep twin here
     assert "no GQA" in md and "`dfg_attn_x`" in md
     # The race summary: y is 1.25x the default at both points, slower than SDPA flash (11 us) at both.
     assert "| tp4 | `dfg_attn_x` | 1.00 | 1.00 | 2/2 | 0/2 | 50% |" in md
@@ -679,6 +682,7 @@ def _stub_launches(monkeypatch, ak) -> _Recorder:
     monkeypatch.setattr(ak, "_stream", lambda dev: (0, 0))
     monkeypatch.setattr(ak, "_launcher", lambda entry, idx: rec)
     monkeypatch.setattr(ak, "_err_flag", lambda idx: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(ak, "_sm_count", lambda idx: 1)  # a one-SM GPU: the served schedule, never its deep twin
     return rec
 
 
@@ -887,3 +891,40 @@ def test_attention_kernels_wait_before_touching_memory() -> None:
         first_use = min(code.index(x) for x in ("Attn::run", "Attn::merge") if x in code)
         assert "dflashgen::pdl_wait();" in code[:first_use]
 
+
+
+def test_deep_twin_serves_batches_that_fit_one_cta_per_sm(monkeypatch) -> None:
+    """A served wg schedule names its deep twin (deep_for: more stages, the same bitwise key), and the
+    launcher serves the twin exactly when B x KV heads x splits at the table's capacity fit one CTA per
+    SM: decided from the host-side shapes only (a CUDA graph captures one kernel), the served schedule
+    for larger batches or longer tables, for explicit kernels, and under DFLASHGEN_ATTN_DEEP=0."""
+    import dflashgen.runtime.attention_kernel as ak
+
+    served = {s.name: s for s in af.specs() if s.default and s.deep}
+    assert {(s.hkv, s.kv, s.page) for s in served.values()} == {(hkv, "fp16", 16) for _, hkv in TARGET_HEADS}
+    by_name = {s.name: s for s in af.specs()}
+    for s in served.values():
+        twin = by_name[s.deep]
+        assert af.bitwise_key(twin) == af.bitwise_key(s) and twin.stages > s.stages and not twin.default
+    rec = _stub_launches(monkeypatch, ak)
+    monkeypatch.setattr(ak, "_sm_count", lambda idx: 132)
+    e = select_kernel(90, 24, 4, 256, "fp16", 16)
+    rule = ak.entry_rule(e)
+
+    def launched(nb: int, cap: int, **kw) -> str:
+        kv = torch.zeros(nb * cap // 16, 2, 16, 4, 256, dtype=torch.float16)
+        tables = torch.arange(nb * cap // 16, dtype=torch.int32).view(nb, cap // 16)
+        rec.calls.clear()
+        ak.paged_verify_attention(torch.zeros(nb, 8, 24, 256), kv[:, 0], kv[:, 1], tables,
+                                  torch.full((nb,), cap, dtype=torch.int32), **kw)
+        (_, _, block, _, smem), _ = rec.calls
+        return next(n for n, x in ((n, x) for n, x in by_name.items() if x.key() == by_name[e["name"]].key())
+                    if x.smem == smem and x.threads == block[0] and n in (e["name"], e["deep"]))
+
+    assert 4 * rule.splits(16384) <= 132 < 8 * rule.splits(16384)
+    assert launched(1, 16384) == e["deep"]  # 128 CTAs: one per SM
+    assert launched(2, 16384) == e["name"]  # 256: two per SM on the served ring
+    assert launched(1, 32768) == e["name"]
+    assert launched(1, 16384, kernel=e["name"]) == e["name"]
+    monkeypatch.setenv("DFLASHGEN_ATTN_DEEP", "0")
+    assert launched(1, 16384) == e["name"]
