@@ -31,8 +31,8 @@ from . import __version__
 from .model import load_model_config
 from .render import FamilyKernel, _env
 
-__all__ = ["ARCHS", "IO_MAX_D", "IO_WARPS", "MAX_T", "PREFILL_CHUNK", "ROW_LANES", "WARPS", "family_kernels",
-           "io_kernel_name", "kernel_name", "key_dims", "prefill_kernel_name"]
+__all__ = ["ARCHS", "IO_MAX_D", "IO_WARPS", "MAX_T", "PREFILL_CHUNK", "PREFILL_COLS", "ROW_LANES", "WARPS",
+           "family_kernels", "io_kernel_name", "kernel_name", "key_dims", "prefill_kernel_name", "prefill_warps"]
 
 ARCHS = (70, 80, 90)
 MAX_T = 16  # positions per launch: the verify block (8) and the target's small-chunk limit
@@ -49,6 +49,21 @@ MIN_BLOCKS = 8
 STEP_MIN_BLOCKS = 16
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
+# The prefill kernel: 2 columns per thread and 4 warps per CTA, so twice the warps of the step's layout
+# for the same state and the same 16 columns per CTA (a B1 prefill's 48 heads x 128 columns: 1536
+# warps, ~12 per SM, against ~6 with 4 columns: the sequential recurrence is latency-bound, and more
+# warps hide it; a CTA's q / k staging still serves 16 columns). Columns are independent and each one's
+# dot products keep their order (rows per thread, then the row-lane butterfly): the step's bits.
+PREFILL_COLS_PER_THREAD = 2
+PREFILL_WARPS = 4
+PREFILL_MIN_BLOCKS = 4  # 128-thread CTAs: up to 128 registers (the 16-position staging needs ~110)
+PREFILL_COLS = PREFILL_WARPS * 2 * PREFILL_COLS_PER_THREAD
+
+
+def prefill_warps(dk: int) -> int:
+    """Warps per prefill CTA: PREFILL_WARPS where a chunk's q / k staging is whole rounds of the CTA's
+    float4 loads (gdn.cuh prefill), else half (the small test key dims)."""
+    return PREFILL_WARPS if PREFILL_CHUNK * dk // 4 % (32 * PREFILL_WARPS) == 0 else PREFILL_WARPS // 2
 IO_WARPS = 4  # glue kernels: one warp per (position, head), 4 per CTA (TP1 B1 T8: 8 x 20 CTAs)
 IO_MAX_D = 256  # head dims the glue kernels take (gdn_io.cuh MAX_D: 8 channels per lane)
 
@@ -69,7 +84,8 @@ def kernel_name(arch: int, dk: int) -> str:
 
 
 def prefill_kernel_name(arch: int, dk: int) -> str:
-    return f"dfg_sm{arch}_gdnpf_dk{dk}_s{PREFILL_CHUNK}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{MIN_BLOCKS}"
+    return (f"dfg_sm{arch}_gdnpf_dk{dk}_s{PREFILL_CHUNK}_r{ROW_LANES}_c{PREFILL_COLS_PER_THREAD}_w{prefill_warps(dk)}"
+            f"_mb{PREFILL_MIN_BLOCKS}")
 
 
 @lru_cache(maxsize=1)
@@ -97,7 +113,8 @@ def render(arch: int, dk: int) -> str:
 def render_prefill(arch: int, dk: int) -> str:
     return _env().get_template("gdn_prefill.cu.j2").render(
         version=__version__, name=prefill_kernel_name(arch, dk), arch=arch, dk=dk, chunk=PREFILL_CHUNK,
-        warps=WARPS, threads=THREADS, cols=COLS, min_blocks=MIN_BLOCKS)
+        warps=prefill_warps(dk), threads=32 * prefill_warps(dk), cols=prefill_warps(dk) * 2 * PREFILL_COLS_PER_THREAD,
+        cpt=PREFILL_COLS_PER_THREAD, min_blocks=PREFILL_MIN_BLOCKS)
 
 
 def family_kernels() -> list[FamilyKernel]:
@@ -106,7 +123,9 @@ def family_kernels() -> list[FamilyKernel]:
                            "smem_per_t": step_smem_per_t(dk), "advance_smem_per_t": advance_smem_per_t(dk)})
              for arch in ARCHS for dk in key_dims()]
     prefills = [FamilyKernel(prefill_kernel_name(arch, dk), arch, render_prefill(arch, dk),
-                             {"dk": dk, "chunk": PREFILL_CHUNK, "threads": THREADS, "cols": COLS, "mode": "prefill"})
+                             {"dk": dk, "chunk": PREFILL_CHUNK, "threads": 32 * prefill_warps(dk),
+                              "cols": prefill_warps(dk) * 2 * PREFILL_COLS_PER_THREAD,
+                              "mode": "prefill"})
                 for arch in ARCHS for dk in key_dims()]
     io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
                        {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D})

@@ -219,6 +219,7 @@ class _Prefill:
     def __init__(self, dk: int, arch: int, device_index: int) -> None:
         entry = _entry("prefill", dk, arch)
         self.name = entry["name"]
+        self.cols, self.threads = int(entry["cols"]), int(entry["threads"])  # (gdn_family.PREFILL_*)
         self.fn = load_module(entry, device_index).function(self.name)
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         self.args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p])
@@ -372,5 +373,5 @@ def gdn_prefill(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_de
                 beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), _ptr(n))
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.fn.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx))
+        kn.fn.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx))
     return o

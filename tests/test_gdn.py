@@ -60,9 +60,11 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     assert {(k.arch, k.meta["dk"]) for k in pf} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     for k in pf:
-        assert k.name == f"dfg_sm{k.arch}_gdnpf_dk{k.meta['dk']}_s16_r16_c4_w2_mb8"
+        w = gdn_family.prefill_warps(k.meta["dk"])
+        assert w == (4 if k.meta["dk"] >= 32 else 2)
+        assert k.name == f"dfg_sm{k.arch}_gdnpf_dk{k.meta['dk']}_s16_r16_c2_w{w}_mb4"
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
-        assert f"{k.name}(" in k.source and f"prefill<{k.meta['dk']}, 16, 2>" in k.source
+        assert f"{k.name}(" in k.source and f"prefill<{k.meta['dk']}, 16, {w}, 2>" in k.source
     assert 128 in gdn_family.key_dims()  # Qwen3.8-27B
     again = {k.name: k.source for k in family_kernels("gdn")}
     for k in ks:
@@ -87,7 +89,9 @@ def test_manifest_lists_the_family_and_files_exist() -> None:
             assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
             assert e["smem_per_t"] == 4 * (2 * e["dk"] + 18) and e["advance_smem_per_t"] == 4 * (e["dk"] + 17)
         else:
-            assert (e["mode"], e["threads"], e["cols"], e["chunk"]) == ("prefill", 64, 16, 16)
+            w = 4 if e["dk"] >= 32 else 2  # 4 warps where a chunk's q / k staging is whole rounds of 128 threads
+            assert (e["mode"], e["threads"], e["cols"], e["chunk"]) == ("prefill", 32 * w, 4 * w, 16)
+            assert f"_c2_w{w}_" in e["name"]  # 2 columns per thread: twice the step layout's warps
 
 
 @pytest.mark.parametrize("arch", [70, 80, 90])

@@ -79,73 +79,83 @@ __device__ __forceinline__ void stage_rows(float* const (&dst)[NS], const float*
   }
 }
 
-template <int DK>
+template <int DK, int C = CPT>
 struct Col {
   static constexpr int R = DK / LR;
   static_assert(DK % LR == 0, "DK must be a multiple of 16");
-  float s[R][CPT];
+  static_assert(C == 4 || C == 2, "columns per thread: one float4 or float2 per row");
+  float s[R][C];
 
   __device__ __forceinline__ void decay(float d) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) s[r][c] = __fmul_rn(d, s[r][c]);
+      for (int c = 0; c < C; ++c) s[r][c] = __fmul_rn(d, s[r][c]);
   }
   // S += k u^T on this thread's rows / columns (x: the DK-vector in shared memory).
-  __device__ __forceinline__ void add(const float* x, const float (&u)[CPT], int lr) {
+  __device__ __forceinline__ void add(const float* x, const float (&u)[C], int lr) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float k = x[lr + LR * r];
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) s[r][c] = __fadd_rn(s[r][c], __fmul_rn(k, u[c]));
+      for (int c = 0; c < C; ++c) s[r][c] = __fadd_rn(s[r][c], __fmul_rn(k, u[c]));
     }
   }
   // One position of the delta rule, shared by the step and prefill kernels (same bits): S <- d S,
   // u = beta (v - S^T k), S += k u^T, o = S^T q. k, q: DK-vectors in shared memory; v: this
-  // thread's CPT columns of the value row.
+  // thread's C columns of the value row.
   __device__ __forceinline__ void position(float d, float beta, const float* k, const float* q, const float* v,
-                                           int lr, float (&ut)[CPT], float (&ot)[CPT]) {
+                                           int lr, float (&ut)[C], float (&ot)[C]) {
     decay(d);
-    float kv[CPT];
+    float kv[C];
     dot(k, kv, lr);
 #pragma unroll
-    for (int c = 0; c < CPT; ++c) ut[c] = __fmul_rn(beta, __fsub_rn(v[c], kv[c]));
+    for (int c = 0; c < C; ++c) ut[c] = __fmul_rn(beta, __fsub_rn(v[c], kv[c]));
     add(k, ut, lr);
     dot(q, ot, lr);
   }
   // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits).
-  __device__ __forceinline__ void dot(const float* x, float (&out)[CPT], int lr) const {
+  __device__ __forceinline__ void dot(const float* x, float (&out)[C], int lr) const {
 #pragma unroll
-    for (int c = 0; c < CPT; ++c) out[c] = __fmul_rn(x[lr], s[0][c]);
+    for (int c = 0; c < C; ++c) out[c] = __fmul_rn(x[lr], s[0][c]);
 #pragma unroll
     for (int r = 1; r < R; ++r) {
       const float k = x[lr + LR * r];
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) out[c] = __fadd_rn(out[c], __fmul_rn(k, s[r][c]));
+      for (int c = 0; c < C; ++c) out[c] = __fadd_rn(out[c], __fmul_rn(k, s[r][c]));
     }
 #pragma unroll
     for (int off = LR / 2; off > 0; off >>= 1)
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
+      for (int c = 0; c < C; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
   }
   __device__ __forceinline__ void load(const float* S, int dv, int lr, int j0, bool live) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < CPT; ++c) s[r][c] = 0.f;  // absent columns (dv not a multiple of COLS) stay 0
+      for (int c = 0; c < C; ++c) s[r][c] = 0.f;  // absent columns (dv not a multiple of COLS) stay 0
     if (!live) return;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {  // 16-byte loads: the runtime checks S is 16-byte aligned, dv % 4 == 0
-      const float4 x = *reinterpret_cast<const float4*>(S + (long long)(lr + LR * r) * dv + j0);
-      s[r][0] = x.x, s[r][1] = x.y, s[r][2] = x.z, s[r][3] = x.w;
+    for (int r = 0; r < R; ++r) {  // 16- / 8-byte loads: the runtime checks S is 16-byte aligned, dv % 4 == 0
+      const float* at = S + (long long)(lr + LR * r) * dv + j0;
+      if constexpr (C == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(at);
+        s[r][0] = x.x, s[r][1] = x.y, s[r][2] = x.z, s[r][3] = x.w;
+      } else {
+        const float2 x = *reinterpret_cast<const float2*>(at);
+        s[r][0] = x.x, s[r][1] = x.y;
+      }
     }
   }
   __device__ __forceinline__ void store(float* S, int dv, int lr, int j0, bool live) const {
     if (!live) return;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float4* at = reinterpret_cast<float4*>(S + (long long)(lr + LR * r) * dv + j0);
-      *at = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+      float* at = S + (long long)(lr + LR * r) * dv + j0;
+      if constexpr (C == 4)
+        *reinterpret_cast<float4*>(at) = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+      else
+        *reinterpret_cast<float2*>(at) = make_float2(s[r][0], s[r][1]);
     }
   }
 };
@@ -165,17 +175,16 @@ __device__ __forceinline__ void stage(int count, Load&& load, Store&& store) {
   }
 }
 
-template <int WARPS>
+template <int WARPS, int C = CPT>
 struct Layout {
   static constexpr int THREADS = 32 * WARPS;
-  static constexpr int COLS = WARPS * LC * CPT;  // columns per CTA
-  static_assert(CPT == 4, "one float4 of columns per thread");
+  static constexpr int COLS = WARPS * LC * C;  // columns per CTA
   int lr, j0;  // this thread's first row and first column
-  bool live;   // its columns exist (dv % 4 == 0: all four or none)
+  bool live;   // its columns exist (dv % 4 == 0: all C or none)
   __device__ __forceinline__ Layout(int dv) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     lr = lane >> 1;
-    j0 = blockIdx.x * COLS + w * (LC * CPT) + (lane & 1) * CPT;
+    j0 = blockIdx.x * COLS + w * (LC * C) + (lane & 1) * C;
     live = j0 < dv;
   }
 };
@@ -335,13 +344,13 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
 // state and outputs are bitwise those of T one-position steps. S [B, Hv, DK, dv] is read and
 // updated in place: the state after n[b] positions (n = nullptr: all T; n[b] <= 0: S untouched).
 // Inputs and o as for step. grid (ceil(dv / COLS), Hv, B).
-template <int DK, int CHUNK, int WARPS>
+template <int DK, int CHUNK, int WARPS, int C = CPT>
 __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, const float* __restrict__ k,
                                         const float* __restrict__ v, long long vs_b, long long vs_t,
                                         long long vs_c, const float* __restrict__ beta,
                                         const float* __restrict__ log_decay, int T, int Hk, int Hv, int dv,
                                         float* __restrict__ o, const long long* __restrict__ n) {
-  using L = Layout<WARPS>;
+  using L = Layout<WARPS, C>;
   constexpr int V4 = DK / 4;                      // float4 per (position, key head)
   constexpr int QK4 = CHUNK * V4 / L::THREADS;    // float4 of q (and of k) per thread per chunk
   constexpr int VS = CHUNK * L::COLS / L::THREADS;  // values per thread per chunk
@@ -357,7 +366,7 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
   const long long bt = (long long)b * T;
   float* S = s + ((long long)b * Hv + h) * DK * dv;
   const int keep = n != nullptr ? clamp_steps(n[b], T) : T;
-  Col<DK> col;
+  Col<DK, C> col;
   col.load(S, dv, lay.lr, lay.j0, lay.live);
   const int jl = lay.j0 - blockIdx.x * L::COLS;
 #pragma unroll 1
@@ -405,12 +414,12 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
     __syncthreads();
 #pragma unroll 1
     for (int tt = 0; tt < tc; ++tt) {  // step's position (o only)
-      float ut[CPT], ot[CPT];
+      float ut[C], ot[C];
       col.position(ds[tt], bs[tt], ks[tt], qs[tt], &vs[tt][jl], lay.lr, ut, ot);
       if (lay.live && lay.lr == 0) {
         const long long at = ((bt + t0 + tt) * Hv + h) * dv + lay.j0;
 #pragma unroll
-        for (int c = 0; c < CPT; ++c) o[at + c] = ot[c];
+        for (int c = 0; c < C; ++c) o[at + c] = ot[c];
       }
       if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
     }
