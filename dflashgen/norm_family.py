@@ -11,6 +11,9 @@ them and holds the torch reference. Names encode every parameter: ``dfg_sm90_add
 Plus one attention-input kernel per arch, ``templates/qk_norm_rope.cu.j2`` (``dfg_sm90_qknormrope_w4_d256``,
 manifest ``kind: "qk_rope"``; logic in ``qk_norm_rope.cuh``, launched by ``runtime/norm_kernel.py``):
 heads, head dim (<= 256) and rotary dim at run time.
+
+Plus one SiLU(gate) * up kernel per arch, ``templates/silu_mul.cu.j2`` (``dfg_sm90_silumul_t256``, manifest
+``kind: "silu_mul"``; ``silu_mul.cuh``): the glue after a projection served by dequantize + cuBLAS.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from . import __version__
 from .model import load_model_config
 from .render import FamilyKernel, _env
 
-__all__ = ["ARCHS", "QK_MAX_D", "QK_WARPS", "THREADS", "family_kernels", "hidden_sizes", "kernel_name",
-           "qk_kernel_name"]
+__all__ = ["ARCHS", "QK_MAX_D", "QK_WARPS", "SILU_THREADS", "THREADS", "family_kernels", "hidden_sizes",
+           "kernel_name", "qk_kernel_name", "silu_kernel_name"]
 
 ARCHS = (70, 80, 90)
 # One CTA per row: at decode sizes (8-64 rows) few CTAs, so many threads per row keep enough 16-byte
@@ -30,6 +33,7 @@ ARCHS = (70, 80, 90)
 THREADS = 512
 QK_WARPS = 4  # q / k RMSNorm + RoPE: one warp per (position, head)
 QK_MAX_D = 256  # head dims it takes (qk_norm_rope.cuh MAX_D)
+SILU_THREADS = 256  # SiLU-mul: a grid-stride loop of 16-byte steps
 
 
 def kernel_name(arch: int, hidden: int | None) -> str:
@@ -56,6 +60,15 @@ def render_qk(arch: int) -> str:
         version=__version__, name=qk_kernel_name(arch), arch=arch, warps=QK_WARPS, max_d=QK_MAX_D)
 
 
+def silu_kernel_name(arch: int) -> str:
+    return f"dfg_sm{arch}_silumul_t{SILU_THREADS}"
+
+
+def render_silu(arch: int) -> str:
+    return _env().get_template("silu_mul.cu.j2").render(
+        version=__version__, name=silu_kernel_name(arch), arch=arch, threads=SILU_THREADS)
+
+
 def family_kernels() -> list[FamilyKernel]:
     norms = [FamilyKernel(kernel_name(arch, hidden), arch, render(arch, hidden),
                           {"kind": "add_rmsnorm", "hidden": hidden, "threads": THREADS})
@@ -63,4 +76,6 @@ def family_kernels() -> list[FamilyKernel]:
     qk = [FamilyKernel(qk_kernel_name(arch), arch, render_qk(arch),
                        {"kind": "qk_rope", "threads": 32 * QK_WARPS, "warps": QK_WARPS, "max_d": QK_MAX_D})
           for arch in ARCHS]
-    return norms + qk
+    silu = [FamilyKernel(silu_kernel_name(arch), arch, render_silu(arch), {"kind": "silu_mul", "threads": SILU_THREADS})
+            for arch in ARCHS]
+    return norms + qk + silu

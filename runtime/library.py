@@ -25,6 +25,7 @@ from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
 
 from .images import resolve
 from .kernels import GemmKernel, GemmLaunch, native_arch
+from .norm_kernel import fused_silu_mul, silu_mul_fits
 from .table import Choice, TableError, TuningTable, problem_key, slug
 
 log = logging.getLogger("dflashgen")
@@ -92,12 +93,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.
     return mul_to(torch.nn.functional.silu(gate.float()), up, dtype)
 
 
+def silu_mul_cat(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`silu_mul` of ``y = [gate | up]``: on CUDA FP16 one generated launch with the same bits
+    (norm_kernel.fused_silu_mul), else torch's ops on the halves."""
+    if dtype is torch.float16 and silu_mul_fits(y):
+        return fused_silu_mul(y)
+    return silu_mul(*y.chunk(2, dim=-1), dtype)
+
+
 def fallback_gemm(x: torch.Tensor, packed: PackedWeight, w16: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize + cuBLAS, correct for any M; ``w16`` is an already dequantized weight (cached)."""
     w = dequantize_packed(packed).to(x.dtype) if w16 is None else w16
     y = x @ w.t()
     if packed.layout.silu:
-        y = silu_mul(*y.chunk(2, dim=-1), x.dtype)
+        y = silu_mul_cat(y, x.dtype)
     return y
 
 

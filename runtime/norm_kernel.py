@@ -32,7 +32,7 @@ from .driver import ArgPack, current_stream
 from .images import entry_here, family_entries, load_module, serving_arch
 
 __all__ = ["NormInputError", "add_rmsnorm", "fused_available", "qk_norm_rope", "qk_rope_available",
-           "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_"]
+           "fused_silu_mul", "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_", "silu_mul_fits"]
 
 Tensor = torch.Tensor
 
@@ -249,3 +249,68 @@ def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: i
         kern.fn.launch_pack((b * t, -(-(hq + 2 * hkv) // kern.warps), 1), (32 * kern.warps, 1, 1), a,
                             current_stream(idx))
     return q
+
+
+# --------------------------------------------------------------------------- SiLU(gate) * up
+
+
+@cache
+def _silu_entry(arch: int) -> dict[str, Any] | None:
+    return next((e for e in family_entries("norm").values() if e.get("kind") == "silu_mul" and e["arch"] == arch),
+                None)
+
+
+class _SiluKernel:
+    def __init__(self, entry: dict[str, Any], device_index: int) -> None:
+        self.name, self.threads = entry["name"], int(entry["threads"])
+        self.fn = load_module(entry, device_index).function(self.name)
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self.args = ArgPack([p, ctypes.c_longlong, i, i, p])
+
+
+_SILU: dict[tuple[int, int], _SiluKernel] = {}
+_SILU_CTAS = 4096  # grid-stride: enough CTAs to fill any GPU several times over, few enough to launch fast
+
+
+def silu_mul_fits(y: Tensor, arch: int | None = None) -> bool:
+    """Whether :func:`fused_silu_mul` runs the generated kernel on ``y [..., 2 I]``: CUDA, FP16, unit
+    channel stride and evenly spaced rows, 16-byte aligned, I % 8 == 0, a kernel for the serving arch."""
+    if y.device.type != "cuda" or y.dtype != torch.float16 or y.shape[-1] % 16 or y.dim() < 1:
+        return False
+    rows = y.reshape(-1, y.shape[-1]) if y.dim() != 2 else y
+    if rows.stride(-1) != 1 or rows.data_ptr() % 16 or (rows.shape[0] > 1 and rows.stride(0) % 8):
+        return False
+    return entry_here(y.device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry) is not None
+
+
+def fused_silu_mul(y: Tensor, *, arch: int | None = None) -> Tensor:
+    """SiLU(gate) * up in FP32, rounded once to FP16, for ``y = [gate | up]`` ``[..., 2 I]`` FP16 on
+    CUDA (:func:`silu_mul_fits`): one generated launch with torch's arithmetic op for op, where torch
+    takes an upcast copy, a SiLU and a multiply through FP32 tensors. Returns a new ``[..., I]`` tensor."""
+    if not silu_mul_fits(y, arch):
+        raise NormInputError(f"fused_silu_mul takes CUDA float16 [..., 2 I] (I % 8 == 0, unit channel stride, 16-byte "
+                             f"aligned rows), got {y.dtype} {tuple(y.shape)} strides {y.stride()} on {y.device}")
+    flat = y.reshape(-1, y.shape[-1])  # a view for evenly spaced rows (checked above)
+    cols = y.shape[-1] // 2
+    out = torch.empty((*y.shape[:-1], cols), dtype=torch.float16, device=y.device)
+    rows = flat.shape[0]
+    if rows == 0:
+        return out
+    dev = y.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    a_ = kernel_arch(dev, arch)
+    if (a_, idx) not in _SILU:
+        e = _silu_entry(a_)
+        if e is None:
+            raise NormInputError(f"no sm_{a_} SiLU-mul kernel in the generated manifest: run `dflashgen generate`")
+        _SILU[(a_, idx)] = _SiluKernel(e, idx)
+    kern = _SILU[(a_, idx)]
+    steps = rows * (cols // 8)
+    a = kern.args
+    with a.lock:
+        vals = (flat.data_ptr(), flat.stride(0), rows, cols, out.data_ptr())
+        for slot, val in zip(a.values, vals, strict=True):
+            slot.value = val
+        kern.fn.launch_pack((min(_SILU_CTAS, -(-steps // kern.threads)), 1, 1), (kern.threads, 1, 1), a,
+                            current_stream(idx))
+    return out

@@ -66,7 +66,7 @@ from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
 from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
-from .library import KernelLibrary, mul_to, silu_mul
+from .library import KernelLibrary, mul_to, silu_mul_cat
 from .norm_kernel import (
     add_rmsnorm,
     fused_available,
@@ -632,7 +632,7 @@ class TargetModel(torch.nn.Module):
         gu = self._p(i, "gate_up_proj")
         y = self._proj(gu, x)
         if not getattr(_inner(gu), "silu", False):  # unfused: [gate | up] (this rank's slices of each)
-            y = silu_mul(*y.chunk(2, dim=-1), self.act_dtype)
+            y = silu_mul_cat(y, self.act_dtype)
         return self._proj(self._p(i, "down_proj"), y)
 
     def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState,

@@ -175,3 +175,38 @@ def test_qk_norm_rope_positions_are_exact(arch: str | int) -> None:
         slot = int(pos[r, p])
         assert torch.equal(q1[0, 0], q[r, p])
         assert torch.equal(k1[0, slot], kc[r, slot]) and torch.equal(v1[0, slot], vc[r, slot])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_silu_mul_kernel_is_torchs_ops_bitwise(arch: str | int) -> None:
+    """The SiLU-mul glue kernel (family "norm") returns the bits of torch's composition,
+    (silu(gate.float()) * up.float()).half(), for 2-D / 3-D inputs, rows spaced wider than they are
+    (a slice of a wider buffer), FP16 extremes (overflow to inf), and inside a CUDA graph."""
+    import torch.nn.functional as F
+    from dflashgen.runtime.library import silu_mul_cat
+    from dflashgen.runtime.norm_kernel import fused_silu_mul, silu_mul_fits
+
+    def want(y: torch.Tensor) -> torch.Tensor:
+        i = y.shape[-1] // 2
+        return (F.silu(y[..., :i].float()) * y[..., i:].float()).half()
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for shape in [(1, 16), (7, 64), (1023, 2 * 17408), (2, 5, 2 * 4352)]:
+        y = (torch.randn(*shape, generator=g, device="cuda") * 4).half()
+        y.view(-1)[:4] = torch.tensor([0.0, -0.0, 65504.0, -65504.0], dtype=torch.half, device="cuda")
+        y[..., shape[-1] // 2] = 65504.0  # up at the FP16 maximum: products overflow to inf like torch's
+        got = fused_silu_mul(y, arch=_arch(arch))
+        assert got.shape == (*shape[:-1], shape[-1] // 2) and torch.equal(got, want(y)), shape
+    wide = (torch.randn(33, 200, generator=g, device="cuda") * 3).half()
+    y = wide[:, :128]  # row stride 200 halves (16-byte aligned rows), 64 + 64 channels
+    assert silu_mul_fits(y) and torch.equal(fused_silu_mul(y, arch=_arch(arch)), want(y))
+    assert torch.equal(silu_mul_cat(y, torch.float16), want(y))  # the dispatcher the fallback GEMM path uses
+    y = (torch.randn(64, 256, generator=g, device="cuda")).half()
+    out = fused_silu_mul(y, arch=_arch(arch))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_silu_mul(y, arch=_arch(arch))
+    y.copy_((torch.randn(64, 256, generator=g, device="cuda")).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want(y)) and not torch.equal(captured, out)

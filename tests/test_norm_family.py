@@ -27,7 +27,12 @@ def test_family_renders_specialised_and_generic_kernels() -> None:
     every = family_kernels("norm")
     ks = [k for k in every if k.meta["kind"] == "add_rmsnorm"]
     qk = [k for k in every if k.meta["kind"] == "qk_rope"]
-    assert len(ks) + len(qk) == len(every)
+    silu = [k for k in every if k.meta["kind"] == "silu_mul"]
+    assert len(ks) + len(qk) + len(silu) == len(every)
+    assert {k.name for k in silu} == {f"dfg_sm{a}_silumul_t256" for a in (70, 80, 90)}
+    for k in silu:  # one per arch, shapes at run time; torch's arithmetic in the header
+        assert f"{k.name}(" in k.source and "silu_mul<256>(" in k.source and k.meta["threads"] == 256
+        assert "#include <dflashgen/silu_mul.cuh>" in k.source
     assert {k.name for k in qk} == {f"dfg_sm{a}_qknormrope_w4_d256" for a in (70, 80, 90)}
     for k in qk:  # one per arch, dims at run time; the logic in the header
         assert f"{k.name}(" in k.source and "qk_norm_rope<4>(" in k.source
@@ -44,11 +49,13 @@ def test_family_renders_specialised_and_generic_kernels() -> None:
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
     entries = load_manifest()["families"]["norm"]
-    assert len(entries) == 9
+    assert len(entries) == 12
     for e in entries:
         assert (generated_dir() / e["file"]).is_file() and e["family"] == "norm"
         if e["kind"] == "add_rmsnorm":
             assert e["threads"] == norm_family.THREADS == 512
+        elif e["kind"] == "silu_mul":
+            assert e["threads"] == norm_family.SILU_THREADS == 256
         else:
             assert (e["kind"], e["threads"], e["warps"], e["max_d"]) == ("qk_rope", 128, 4, 256)
 
@@ -63,8 +70,8 @@ def test_kernel_choice_prefers_the_specialised_hidden_size() -> None:
 def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
-    res = build([arch], only="_(addrmsnorm|qknormrope)_", progress=False)
-    assert len(res.resources()) == 3
+    res = build([arch], only="_(addrmsnorm|qknormrope|silumul)_", progress=False)
+    assert len(res.resources()) == 4
     for a in res.artifacts.values():
         entries = parse_ptxas_log(a.log.read_text())
         assert set(entries) == {a.name}
@@ -109,3 +116,16 @@ def test_target_norm_sites_on_cpu_are_the_unfused_ops() -> None:
     assert torch.equal(hn, h + r) and torch.equal(x, _rms_norm(h + r, w, 1e-6)) and x.dtype == torch.float32
     h0, x0 = TargetModel._add_norm(fake, h, None, "n")  # type: ignore[arg-type]
     assert h0 is h and torch.equal(x0, _rms_norm(h, w, 1e-6))
+
+
+def test_silu_mul_cat_off_cuda_is_torchs_ops_and_the_kernel_refuses_what_it_cannot_take() -> None:
+    """Off CUDA (or for a layout the kernel cannot take) ``silu_mul_cat`` is torch's composition on the
+    halves; the kernel entry point names what is wrong instead of computing anything."""
+    from dflashgen.runtime.library import silu_mul, silu_mul_cat
+
+    y = torch.randn(5, 3, 32).half()
+    assert torch.equal(silu_mul_cat(y, torch.float16), (F.silu(y[..., :16].float()) * y[..., 16:].float()).half())
+    assert torch.equal(silu_mul_cat(y.float(), torch.float32), silu_mul(*y.float().chunk(2, dim=-1), torch.float32))
+    assert not norm_kernel.silu_mul_fits(y)
+    with pytest.raises(norm_kernel.NormInputError, match="CUDA float16"):
+        norm_kernel.fused_silu_mul(y)
