@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from .driver import ArgPack, current_stream
-from .gdn_kernel import GdnInputError, kernel_arch
-from .images import entry_here, family_entries, load_module
+from .gdn_kernel import GdnInputError
+from .images import entry_here, family_entries, load_module, loaded_kernel
 from .library import mul_to
 
 __all__ = ["GdnDims", "gdn_gate", "gdn_inputs", "io_available", "l2_norm", "reference_conv", "reference_gate",
@@ -126,14 +126,7 @@ _KERNELS: dict[tuple[int, int], _IoKernels] = {}
 
 
 def _kernels(dev: torch.device, arch: int | None) -> tuple[_IoKernels, int]:
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    a = kernel_arch(dev, arch)
-    if (a, idx) not in _KERNELS:
-        e = _entry(a)
-        if e is None:
-            raise GdnInputError(f"no sm_{a} gdn io kernel in the generated manifest: run `dflashgen generate`")
-        _KERNELS[(a, idx)] = _IoKernels(e, idx)
-    return _KERNELS[(a, idx)], idx
+    return loaded_kernel(_KERNELS, dev, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, _entry, _IoKernels, "gdn io kernel")
 
 
 def _rows(name: str, x: Tensor, b: int, t: int, width: int) -> int:

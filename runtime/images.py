@@ -157,6 +157,25 @@ def entry_here(device: Any, arch: int | None, env: str, error: type[Exception],
         return None
 
 
+def loaded_kernel(cache: dict[tuple[int, int], Any], device: Any, arch: int | None, env: str,
+                  error: type[Exception], pick: Callable[[int], dict[str, Any] | None],
+                  make: Callable[[dict[str, Any], int], Any], what: str) -> tuple[Any, int]:
+    """A family's loaded kernel object for ``device``'s serving arch -- ``make(pick(arch), device
+    index)``, made once per (arch, device) in ``cache`` -- and the device index. Raises ``error`` when
+    the manifest has no such kernel (``what`` names it)."""
+    import torch
+
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    a = serving_arch(dev, arch, env, error)
+    if (a, idx) not in cache:
+        e = pick(a)
+        if e is None:
+            raise error(f"no sm_{a} {what} in the generated manifest: run `dflashgen generate`")
+        cache[(a, idx)] = make(e, idx)
+    return cache[(a, idx)], idx
+
+
 def serving_arch(device: Any, arch: int | None, env: str, error: type[Exception]) -> int:
     """Which build of a kernel family serves this GPU: 90 / 80 / 70, or ``arch`` / ``$env`` when given
     (70 on a newer GPU: the compute_70 PTX through the driver's JIT, how sm_70 code is checked).

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .driver import ArgPack, current_stream
-from .images import entry_here, family_entries, load_module, serving_arch
+from .images import entry_here, family_entries, load_module, loaded_kernel, serving_arch
 
 __all__ = ["NormInputError", "add_rmsnorm", "fused_available", "qk_norm_rope", "qk_rope_available",
            "fused_silu_mul", "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_", "silu_mul_fits"]
@@ -296,15 +296,8 @@ def fused_silu_mul(y: Tensor, *, arch: int | None = None) -> Tensor:
     rows = flat.shape[0]
     if rows == 0:
         return out
-    dev = y.device
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    a_ = kernel_arch(dev, arch)
-    if (a_, idx) not in _SILU:
-        e = _silu_entry(a_)
-        if e is None:
-            raise NormInputError(f"no sm_{a_} SiLU-mul kernel in the generated manifest: run `dflashgen generate`")
-        _SILU[(a_, idx)] = _SiluKernel(e, idx)
-    kern = _SILU[(a_, idx)]
+    kern, idx = loaded_kernel(_SILU, y.device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry, _SiluKernel,
+                              "SiLU-mul kernel")
     steps = rows * (cols // 8)
     a = kern.args
     with a.lock:

@@ -74,3 +74,29 @@ def test_package_binaries_writes_index(tmp_path: Path, entry: dict, monkeypatch)
     n = package_binaries([70], tmp_path / "bin", build_dir=tmp_path / "b")
     idx = json.loads((tmp_path / "bin" / "index.json").read_text())["kernels"]
     assert n == 1 and (tmp_path / "bin" / idx[entry["name"]]["cubin"]).exists()
+
+
+def test_loaded_kernel_makes_one_object_per_arch_and_device(monkeypatch) -> None:
+    """runtime.images.loaded_kernel: the family's kernel object is made once per (serving arch, device
+    index) and reused; a manifest without the kernel raises the family's error naming it."""
+    from dflashgen.runtime import images
+
+    class Missing(ValueError):
+        pass
+
+    monkeypatch.setattr(images, "serving_arch", lambda dev, arch, env, error: arch or 90)
+    made: list[tuple[str, int]] = []
+
+    def make(entry: dict, idx: int) -> tuple[str, int]:
+        made.append((entry["name"], idx))
+        return entry["name"], idx
+
+    cache: dict = {}
+    pick = {90: {"name": "k90"}, 70: {"name": "k70"}}.get
+    dev = "cuda:1"  # an explicit index: no CUDA call needed to find it
+    assert images.loaded_kernel(cache, dev, None, "X", Missing, pick, make, "test kernel") == (("k90", 1), 1)
+    assert images.loaded_kernel(cache, dev, None, "X", Missing, pick, make, "test kernel") == (("k90", 1), 1)
+    assert images.loaded_kernel(cache, dev, 70, "X", Missing, pick, make, "test kernel")[0] == ("k70", 1)
+    assert made == [("k90", 1), ("k70", 1)]
+    with pytest.raises(Missing, match="no sm_80 test kernel in the generated manifest"):
+        images.loaded_kernel(cache, dev, 80, "X", Missing, pick, make, "test kernel")
