@@ -97,7 +97,7 @@ def silu_mul_cat(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`silu_mul` of ``y = [gate | up]``: on CUDA FP16 one generated launch with the same bits
     (norm_kernel.fused_silu_mul), else torch's ops on the halves."""
     if dtype is torch.float16 and silu_mul_fits(y):
-        return fused_silu_mul(y)
+        return fused_silu_mul(y, check=False)
     return silu_mul(*y.chunk(2, dim=-1), dtype)
 
 

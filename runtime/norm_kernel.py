@@ -22,6 +22,7 @@ compute_70 PTX through the driver's JIT). No host sync: CUDA-graph capturable.
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import cache
 from typing import Any
 
@@ -272,25 +273,34 @@ _SILU: dict[tuple[int, int], _SiluKernel] = {}
 _SILU_CTAS = 4096  # grid-stride: enough CTAs to fill any GPU several times over, few enough to launch fast
 
 
+@cache
+def _silu_here(device: torch.device, arch: int | None, env: str) -> bool:
+    """A SiLU-mul kernel for this device's serving arch (manifest only; ``env``: $DFLASHGEN_NORM_ARCH,
+    part of the key so a changed override is looked up again)."""
+    return entry_here(device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry) is not None
+
+
 def silu_mul_fits(y: Tensor, arch: int | None = None) -> bool:
-    """Whether :func:`fused_silu_mul` runs the generated kernel on ``y [..., 2 I]``: CUDA, FP16, unit
-    channel stride and evenly spaced rows, 16-byte aligned, I % 8 == 0, a kernel for the serving arch."""
-    if y.device.type != "cuda" or y.dtype != torch.float16 or y.shape[-1] % 16 or y.dim() < 1:
+    """Whether :func:`fused_silu_mul` runs the generated kernel on ``y [..., 2 I]``: CUDA, FP16, I % 8 ==
+    0, contiguous (or 2-D rows spaced a multiple of 8 channels apart, unit channel stride), 16-byte
+    aligned, a kernel for the serving arch."""
+    if y.device.type != "cuda" or y.dtype != torch.float16 or y.dim() < 1 or y.shape[-1] % 16 or y.data_ptr() % 16:
         return False
-    rows = y.reshape(-1, y.shape[-1]) if y.dim() != 2 else y
-    if rows.stride(-1) != 1 or rows.data_ptr() % 16 or (rows.shape[0] > 1 and rows.stride(0) % 8):
+    if not (y.is_contiguous() or (y.dim() == 2 and y.stride(1) == 1 and y.stride(0) % 8 == 0)):
         return False
-    return entry_here(y.device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry) is not None
+    return _silu_here(y.device, arch, os.environ.get("DFLASHGEN_NORM_ARCH", ""))
 
 
-def fused_silu_mul(y: Tensor, *, arch: int | None = None) -> Tensor:
+def fused_silu_mul(y: Tensor, *, arch: int | None = None, check: bool = True) -> Tensor:
     """SiLU(gate) * up in FP32, rounded once to FP16, for ``y = [gate | up]`` ``[..., 2 I]`` FP16 on
-    CUDA (:func:`silu_mul_fits`): one generated launch with torch's arithmetic op for op, where torch
-    takes an upcast copy, a SiLU and a multiply through FP32 tensors. Returns a new ``[..., I]`` tensor."""
-    if not silu_mul_fits(y, arch):
-        raise NormInputError(f"fused_silu_mul takes CUDA float16 [..., 2 I] (I % 8 == 0, unit channel stride, 16-byte "
-                             f"aligned rows), got {y.dtype} {tuple(y.shape)} strides {y.stride()} on {y.device}")
-    flat = y.reshape(-1, y.shape[-1])  # a view for evenly spaced rows (checked above)
+    CUDA (:func:`silu_mul_fits`; ``check=False``: the caller asked it already): one generated launch
+    with torch's arithmetic op for op, where torch takes an upcast copy, a SiLU and a multiply through
+    FP32 tensors. Returns a new ``[..., I]`` tensor."""
+    if check and not silu_mul_fits(y, arch):
+        raise NormInputError(f"fused_silu_mul takes CUDA float16 [..., 2 I] (I % 8 == 0, contiguous or 2-D rows "
+                             f"8-channel aligned, 16-byte aligned), got {y.dtype} {tuple(y.shape)} strides "
+                             f"{y.stride()} on {y.device}")
+    flat = y.reshape(-1, y.shape[-1])  # a view: contiguous, or 2-D already
     cols = y.shape[-1] // 2
     out = torch.empty((*y.shape[:-1], cols), dtype=torch.float16, device=y.device)
     rows = flat.shape[0]
