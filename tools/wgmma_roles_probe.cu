@@ -80,39 +80,34 @@ __global__ void __launch_bounds__(128 * (WG + 1)) probe(int iters, Out* out, flo
   }
   const uint32_t a_base = base, b_base = base + KSTEPS * A_BYTES;
   const long long t0 = clock64();
+  // `iters` rounds of KSTEPS instructions into the accumulators c, one commit group per round, one
+  // round in flight; the sum keeps the accumulators live
+  auto run = [&](auto& c, auto&& issue) {
+    for (float& x : c) x = 0.f;
+    for (int it = 0; it < iters; ++it) {
+      for (float& x : c) asm volatile("" : "+f"(x)::"memory");
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) issue(ks, c);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+    }
+    cute::warpgroup_wait<0>();
+    float s = 0.f;
+    for (float x : c) s += x;
+    if (s == 12345.f) sink[0] = s;
+  };
   if constexpr (MODE == 0) {
     float c[32];
-    for (float& x : c) x = 0.f;
     const uint32_t a[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
-    for (int it = 0; it < iters; ++it) {
-      for (float& x : c) asm volatile("" : "+f"(x)::"memory");
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks)
-        rs64(a, desc(b_base + ks * (64 * 16 * 2)), c, std::make_index_sequence<32>{});
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();
-    }
-    cute::warpgroup_wait<0>();
-    float s = 0.f;
-    for (float x : c) s += x;
-    if (s == 12345.f) sink[0] = s;
+    run(c, [&](int ks, float (&acc)[32]) {
+      rs64(a, desc(b_base + ks * (64 * 16 * 2)), acc, std::make_index_sequence<32>{});
+    });
   } else {
     float c[128];
-    for (float& x : c) x = 0.f;
-    for (int it = 0; it < iters; ++it) {
-      for (float& x : c) asm volatile("" : "+f"(x)::"memory");
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks)
-        ss256(desc(a_base + ks * A_BYTES), desc(b_base + ks * B_BYTES), c, std::make_index_sequence<128>{});
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();
-    }
-    cute::warpgroup_wait<0>();
-    float s = 0.f;
-    for (float x : c) s += x;
-    if (s == 12345.f) sink[0] = s;
+    run(c, [&](int ks, float (&acc)[128]) {
+      ss256(desc(a_base + ks * A_BYTES), desc(b_base + ks * B_BYTES), acc, std::make_index_sequence<128>{});
+    });
   }
   const long long t1 = clock64();
   if (threadIdx.x % 128 == 0) atomicAdd(&out->mma_cycles, static_cast<unsigned long long>(t1 - t0));
