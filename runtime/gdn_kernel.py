@@ -14,9 +14,9 @@ rollback after a verify forward, every layer at once); :func:`gdn_prefill` runs 
 (a prefill not armed for rollback: outputs o, the state committed in place after ``n[b]`` positions;
 the family's prefill kernel, the step's position body: bitwise T one-position steps). All use one
 update expression and one fixed reduction order over the key dim (``gdn.cuh``; :func:`reference_step`
-mirrors it op for op, without FMA), so a T-position step followed by ``advance(n)`` is bitwise ``n``
-one-position steps, and a request's bits do not depend on the batch, the other requests or T. On CUDA
-only ``expf`` may differ from the reference (within an ulp or two).
+mirrors it op for op, its fused multiply-adds emulated exactly by :func:`fma32`), so a T-position step
+followed by ``advance(n)`` is bitwise ``n`` one-position steps, and a request's bits do not depend on
+the batch, the other requests or T. On CUDA only ``expf`` may differ from the reference (within an ulp or two).
 
 Shapes (FP32): state ``[B, Hv, dk, dv]``; q, k ``[B, T, Hk, dk]`` contiguous; v ``[B, T, Hv, dv]``
 (any batch / position strides, channels at one stride); beta, log_decay ``[B, T, Hv]``; o, u
@@ -40,7 +40,7 @@ import torch
 from .driver import ArgPack, current_stream
 from .images import entry_here, family_entries, load_module
 
-__all__ = ["GdnInputError", "gdn_advance", "gdn_prefill", "gdn_step", "per_value_head", "prefill_available",
+__all__ = ["GdnInputError", "fma32", "gdn_advance", "gdn_prefill", "gdn_step", "per_value_head", "prefill_available",
            "reference_advance", "reference_step"]
 
 Tensor = torch.Tensor
@@ -57,15 +57,34 @@ class GdnInputError(ValueError):
 # --------------------------------------------------------------------------- torch reference
 
 
+def fma32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """a * b + c with one rounding to FP32 (CUDA's ``__fmaf_rn``), for FP32 tensors that broadcast.
+
+    In FP64 the product is exact (2 x 24 significand bits), the sum's rounding error exact by TwoSum;
+    rounding the sum to odd (an inexact result whose last bit is even moves one ulp towards the error)
+    and then to FP32 rounds the exact value once, since FP64 carries more than FP32's 24 + 2 bits
+    (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums", 2008)."""
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)
+    inexact = (err != 0) & torch.isfinite(s) & ((s.view(torch.int64) & 1) == 0)
+    towards = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    return torch.where(inexact, torch.nextafter(s, towards), s).float()
+
+
 def _dot(x: Tensor, s: Tensor) -> Tensor:
-    """sum_i x[..., i] s[..., i, :] in gdn.cuh's order: per row lane lr (i = lr + 16 r) a running sum
-    over r, then halving over the 16 lanes (= the xor butterfly, float add being commutative)."""
+    """sum_i x[..., i] s[..., i, :] in gdn.cuh's order: per row lane lr (i = lr + 16 r) a product for
+    r = 0, then fused multiply-adds over r, then halving over the 16 lanes (= the xor butterfly, float
+    add being commutative)."""
     dk = s.shape[-2]
     lanes = ROW_LANES if dk % ROW_LANES == 0 else 1
-    p = (x[..., :, None] * s).unflatten(-2, (dk // lanes, lanes))  # [..., R, lanes, dv]
-    acc = p[..., 0, :, :]
+    xs = x[..., :, None].unflatten(-2, (dk // lanes, lanes))  # [..., R, lanes, 1]
+    ss = s.unflatten(-2, (dk // lanes, lanes))  # [..., R, lanes, dv]
+    acc = xs[..., 0, :, :] * ss[..., 0, :, :]
     for r in range(1, dk // lanes):
-        acc = acc + p[..., r, :, :]
+        acc = fma32(xs[..., r, :, :], ss[..., r, :, :], acc)
     while acc.shape[-2] > 1:
         h = acc.shape[-2] // 2
         acc = acc[..., :h, :] + acc[..., h:, :]
@@ -81,7 +100,7 @@ def per_value_head(x: Tensor, hv: int) -> Tensor:
 def reference_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
                    commit: Tensor | None = None, n: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The step in torch (any device): (o, u, decay); ``commit`` (may be ``s0``) gets the state after
-    ``n[b]`` positions (default T). The same roundings as the kernel, no FMA."""
+    ``n[b]`` positions (default T). The same roundings as the kernel (its fmas by :func:`fma32`)."""
     b, t, _, _ = k.shape
     hv = beta.shape[-1]
     kk, qq = per_value_head(k, hv), per_value_head(q, hv)
@@ -95,7 +114,7 @@ def reference_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, lo
         decay[:, i] = d
         s = s * d[..., None, None]
         ui = beta[:, i, :, None] * (v[:, i] - _dot(kk[:, i], s))
-        s = s + kk[:, i, :, :, None] * ui[..., None, :]
+        s = fma32(kk[:, i, :, :, None], ui[..., None, :], s)
         u[:, i] = ui
         o[:, i] = _dot(qq[:, i], s)
         if commit is not None:
@@ -112,7 +131,7 @@ def reference_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor)
     nb = n.view(-1, 1, 1, 1)
     cur = s
     for i in range(t):
-        nxt = cur * decay[..., i, :, None, None] + kk[..., i, :, :, None] * u[..., i, :, None, :]
+        nxt = fma32(kk[..., i, :, :, None], u[..., i, :, None, :], cur * decay[..., i, :, None, None])
         cur = torch.where(nb > i, nxt, cur)
     s.copy_(cur)
 

@@ -7,7 +7,9 @@ the per-request prefill of a batch-invariant target. GPU tests: tests/test_gpu_g
 from __future__ import annotations
 
 import shutil
+import struct
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from dflashgen.runtime import target as target_mod
 from dflashgen.runtime.decode_bench import TINY
 from dflashgen.runtime.gdn_kernel import (
     GdnInputError,
+    fma32,
     gdn_advance,
     gdn_prefill,
     gdn_step,
@@ -360,3 +363,31 @@ def test_invariant_target_prefills_each_request_alone(model: TargetModel, monkey
 def test_readme_documents_the_family() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert "templates/include/dflashgen/gdn.cuh" in readme and "`gdn_kernel.py`" in readme
+
+
+def _f32_nearest(x: Fraction) -> float:
+    """x rounded once to FP32 (nearest, ties to even), by exact comparison with its FP32 neighbours."""
+    f = struct.unpack("f", struct.pack("f", float(x)))[0]  # within an ulp of the answer
+    bits = struct.unpack("I", struct.pack("f", f))[0]
+    cands = [f]
+    for step in (-1, 1):  # the two FP32 neighbours (finite, nonzero test values: bit steps suffice)
+        nb = bits + step if f > 0 else bits - step
+        cands.append(struct.unpack("f", struct.pack("I", nb))[0])
+    return min(cands, key=lambda c: (abs(Fraction(c) - x), struct.unpack("I", struct.pack("f", c))[0] & 1))
+
+
+def test_fma32_rounds_once() -> None:
+    """fma32 (the reference's stand-in for the kernel's __fmaf_rn) equals a * b + c rounded once to
+    FP32, checked exactly in rationals, including near-total cancellation (where a product and an add
+    rounded separately, or a sum rounded to FP64 and then to FP32, differ)."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3000, generator=g) * torch.exp(torch.randn(3000, generator=g) * 4)
+    b = torch.randn(3000, generator=g)
+    c = torch.where(torch.arange(3000) % 2 == 0, -(a * b) * (1 + 1e-6 * torch.randn(3000, generator=g)),
+                    torch.randn(3000, generator=g))
+    got = fma32(a, b, c)
+    want = [_f32_nearest(Fraction(x) * Fraction(y) + Fraction(z))
+            for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)]
+    assert got.tolist() == want
+    separate = (a * b + c).tolist()  # two roundings: must differ somewhere, or the test proves nothing
+    assert separate != want

@@ -11,9 +11,12 @@
 // Thread layout (mirrored by runtime/gdn_kernel.py::reference_step, which reproduces the bits up to
 // expf): lane = 2 * lr + lc, lr in [0, 16) splits the DK rows, lc in [0, 2) the columns. A thread
 // holds rows i = lr + 16 r (r < DK / 16) of columns j = col0 + 8 w + 4 lc + c (c < 4). A dot product
-// over DK: per thread p = x_0 s_0 + x_1 s_1 + ... (r ascending, one rounding per mul and add), then an
-// xor butterfly over lr (lane offsets 16, 8, 4, 2): a fixed order for any T, batch or grid.
-// No FMA contraction anywhere (__fmul_rn / __fadd_rn): the torch reference uses the same roundings.
+// over DK: per thread p = fma(x_r, s_r, ... fma(x_1, s_1, x_0 s_0)) (r ascending), then an xor
+// butterfly over lr (lane offsets 16, 8, 4, 2): a fixed order for any T, batch or grid.
+// Explicit roundings only (__fmul_rn / __fadd_rn / __fmaf_rn, never a compiler contraction): the dots
+// and the rank-1 update S += k u^T are fused multiply-adds (one rounding each: fewer instructions
+// than a mul and an add, and more accurate), the decay and u = beta (v - S^T k) plain products; the
+// torch reference (runtime/gdn_kernel.py) emulates each fma exactly, so the bits stay the reference's.
 //
 // step    grid (ceil(dv / COLS), Hv, B): o, u and decay for every position; S0 is only read, except
 //         with `commit`: S after n[b] positions (n = nullptr: all T) is written to `commit` (may be S0).
@@ -98,7 +101,7 @@ struct Col {
     for (int r = 0; r < R; ++r) {
       const float k = x[lr + LR * r];
 #pragma unroll
-      for (int c = 0; c < C; ++c) s[r][c] = __fadd_rn(s[r][c], __fmul_rn(k, u[c]));
+      for (int c = 0; c < C; ++c) s[r][c] = __fmaf_rn(k, u[c], s[r][c]);
     }
   }
   // One position of the delta rule, shared by the step and prefill kernels (same bits): S <- d S,
@@ -122,7 +125,7 @@ struct Col {
     for (int r = 1; r < R; ++r) {
       const float k = x[lr + LR * r];
 #pragma unroll
-      for (int c = 0; c < C; ++c) out[c] = __fadd_rn(out[c], __fmul_rn(k, s[r][c]));
+      for (int c = 0; c < C; ++c) out[c] = __fmaf_rn(k, s[r][c], out[c]);
     }
 #pragma unroll
     for (int off = LR / 2; off > 0; off >>= 1)
