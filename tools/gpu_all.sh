@@ -14,7 +14,8 @@
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
-#                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first
+#                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first;
+#                                          # GDN=1 times the GDN step / advance (tools/gdn_bench.py)
 #   PART=R ...                             # a race of chosen GEMM kernels against the served ones
 #                                          # (tools/wgmma_race.py: verified first, then timed):
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
@@ -28,6 +29,9 @@
 #                                          # PROBE=0 skips the probe, NCU_SWAP="RAW,BST,WLOAD" profiles
 #                                          # one variant); ~1-2 min, no dflashgen kernels; carry
 #                                          # .build/include (the CUTLASS headers)
+#   PART=F ...                             # torch.profiler over steady-state decode rounds per
+#                                          # B (tools/profile_decode.py; BATCHES="1 8", ROUNDS=12,
+#                                          # TRACE=1 keeps Chrome traces, BUILD_ONLY_FILE as in PART=C)
 #   PART=P ...                             # runtime-knob A/B on PART=A's table (or the committed one):
 #                                          # `dflashgen bench --ms $MS $BENCH_ARGS` once per ENVS item
 #                                          # ("NAME=VALUE", VALUE "default": unset) or, without ENVS, per
@@ -80,6 +84,9 @@ C)
     echo "== attn-bench $ATTN"; timeout 200 dflashgen attn-bench --out "$R/attn" $ATTN 2>&1 | tail -30
     pack
   fi
+  if [ -n "${GDN:-}" ]; then  # GDN=1: the GDN verify step / advance per batch (tools/gdn_bench.py)
+    echo "== gdn-bench"; timeout 120 python3 tools/gdn_bench.py --json "$R/gdn-bench.json" 2>&1 | tail -8
+  fi
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
   CK=$(mktemp -d)/ckpt
@@ -93,6 +100,16 @@ C)
     timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
   fi
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
+F)  # where a decode round's time goes: torch.profiler over steady-state rounds (tools/profile_decode.py)
+  use_table
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
+  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  echo "== decode profile"
+  trace=(); [ -n "${TRACE:-}" ] && trace=(--trace "$R/trace")  # TRACE=1: a Chrome trace per B (gzip)
+  timeout 400 python3 tools/profile_decode.py --batches ${BATCHES:-1 8} --rounds ${ROUNDS:-12} "${trace[@]}" \
+    > "$R/profile-decode.txt" 2>&1
+  grep -E "^(B|==|wall)" "$R/profile-decode.txt" | head -20 ;;
 P)
   use_table
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
