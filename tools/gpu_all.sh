@@ -51,6 +51,13 @@ gpu_tests() {  # TESTS="tests/..." (tests: all of them) under a $1-second limit,
   pack
 }
 trap pack EXIT
+install_and_build() {  # this checkout importable, and its sm_90 kernels built in parallel now rather
+  # one by one on first use; BUILD_ONLY_FILE: a file holding a --only regex (e.g. the table's kernels
+  # and the non-GEMM families) when the GEMMs are not what the call tests
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  local only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
+  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+}
 use_table() {  # the table PART=A measured on this (still warm) machine
   if [ -f /tmp/dfg/nvidia-h200.json ]; then cp /tmp/dfg/nvidia-h200.json tuning/nvidia-h200.json
   else echo "WARNING: no table from PART=A on this machine: the committed table is used"; fi
@@ -73,11 +80,7 @@ B)
   echo "== attn-bench"; timeout 240 dflashgen attn-bench --out "$R/attn" 2>&1 | tail -30 ;;
 C)
   use_table
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-  # in parallel now, not one by one on first use; BUILD_ONLY_FILE: a file holding a --only regex (e.g.
-  # the table's kernels and the non-GEMM families) when the GEMMs are not what the call tests
-  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
-  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  install_and_build
   gpu_tests 240  # the bench runs either way (its numbers come with this log)
   if [ -n "${ATTN:-}" ]; then  # ATTN="attn-bench args" (ATTN=all: its defaults)
     mkdir -p "$R/attn"; [ "$ATTN" = all ] && ATTN=""
@@ -102,9 +105,7 @@ C)
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
 F)  # where a decode round's time goes: torch.profiler over steady-state rounds (tools/profile_decode.py)
   use_table
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
-  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  install_and_build
   echo "== decode profile"
   trace=(); [ -n "${TRACE:-}" ] && trace=(--trace "$R/trace")  # TRACE=1: a Chrome trace per B (gzip)
   timeout 400 python3 tools/profile_decode.py --batches ${BATCHES:-1 8} --rounds ${ROUNDS:-12} "${trace[@]}" \
@@ -112,9 +113,7 @@ F)  # where a decode round's time goes: torch.profiler over steady-state rounds 
   grep -E "^(B|==|wall)" "$R/profile-decode.txt" | head -20 ;;
 P)
   use_table
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
-  only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
-  dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
+  install_and_build
   # ENVS: the runs as NAME=VALUE (NAME unset: NAME=default), e.g. ENVS="DFLASHGEN_PDL_TRIGGER=end
   # DFLASHGEN_PDL_TRIGGER=early"; PF="0 4": shorthand for DFLASHGEN_L2_PREFETCH=0 DFLASHGEN_L2_PREFETCH=4
   specs=${ENVS:-}
