@@ -46,8 +46,6 @@ __all__ = ["GdnInputError", "fma32", "gdn_advance", "gdn_prefill", "gdn_step", "
 Tensor = torch.Tensor
 MAX_T = 16  # dflashgen.gdn_family.MAX_T
 ROW_LANES = 16  # gdn.cuh LR: the reduction order over the key dim
-COLS = 16  # columns per CTA (gdn_family.COLS)
-THREADS = 64
 
 
 class GdnInputError(ValueError):
@@ -227,6 +225,7 @@ class _Kernels:
         self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
         # dynamic shared memory per position (gdn.cuh step / advance_smem_floats_per_t): sized per launch
         self.step_smem_per_t, self.adv_smem_per_t = int(entry["smem_per_t"]), int(entry["advance_smem_per_t"])
+        self.cols, self.threads = int(entry["cols"]), int(entry["threads"])  # per CTA (gdn_family.COLS / THREADS)
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p])
         self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
@@ -315,7 +314,7 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
                 decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n))
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.step.launch_pack((-(-dv // COLS), hv, b), (THREADS, 1, 1), a, current_stream(idx),
+        kn.step.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx),
                             t * kn.step_smem_per_t)
     return o, u, decay
 
@@ -359,7 +358,7 @@ def gdn_advance(s: Tensor, k: Tensor, u: Tensor, decay: Tensor, n: Tensor, *, ar
                 lstride(decay), n.data_ptr(), b, t, hk, hv, dv)
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.advance.launch_pack((-(-dv // COLS), hv, nl * b), (THREADS, 1, 1), a, current_stream(idx),
+        kn.advance.launch_pack((-(-dv // kn.cols), hv, nl * b), (kn.threads, 1, 1), a, current_stream(idx),
                                t * kn.adv_smem_per_t)
 
 
