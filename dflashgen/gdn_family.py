@@ -6,8 +6,8 @@ positions: outputs, delta-rule values u and decays for rollback, optionally comm
 n[b] positions) and ``<name>_advance`` (the state after n[b] positions from those terms, every GDN
 layer in one launch). Rendered from ``templates/gdn.cu.j2``; the logic lives in
 ``templates/include/dflashgen/gdn.cuh``; ``runtime/gdn_kernel.py`` launches them and holds the torch
-reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w2_mb16_dyn`` (``mb16``: at
-least 16 CTAs per SM, i.e. at most 64 registers; ``dyn``: dynamic shared memory sized for the launch's
+reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w4_mb8_dyn`` (``mb8``: at
+least 8 CTAs of 128 threads per SM, i.e. at most 64 registers; ``dyn``: dynamic shared memory sized for the launch's
 T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and q / k / u staged
 as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
 
@@ -38,15 +38,17 @@ ARCHS = (70, 80, 90)
 MAX_T = 16  # positions per launch: the verify block (8) and the target's small-chunk limit
 ROW_LANES = 16  # lanes splitting the key dim (gdn.cuh LR); fixes the reduction order
 COLS_PER_THREAD = 4
-WARPS = 2  # 16 columns per CTA: a dv = 128 head is 8 CTAs, so B1 x 48 heads already fills 384 CTAs
+# 32 columns per CTA: a dv = 128 head is 4 CTAs (B1 x 48 heads: 192 CTAs of 4 warps); each CTA stages a
+# position's q / k once for 32 columns (16 before: the B8 step's L2 reads of q / k were as many bytes as
+# its state)
+WARPS = 4
 THREADS = 32 * WARPS
 # __launch_bounds__ min blocks: without it ptxas aims at full occupancy for 64-thread CTAs (32
 # registers) and spills; 8 CTAs per SM allow 128 registers (the dk = 128 step needs ~80).
 MIN_BLOCKS = 8
-# the step / advance pair: 16 CTAs per SM caps ptxas at 64 registers (state 32 + the position's
-# temporaries fit without spills once q / k staging holds no registers): 16 CTAs of 2 warps resident
-# instead of 12 (shared memory at T = 16) / 14 (72 registers)
-STEP_MIN_BLOCKS = 16
+# the step / advance pair: 8 CTAs of 4 warps per SM cap ptxas at 64 registers (state 32 + the position's
+# temporaries fit without spills once q / k staging holds no registers): 32 warps resident
+STEP_MIN_BLOCKS = 8
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
 # The prefill kernel: 2 columns per thread and 4 warps per CTA, so twice the warps of the step's layout

@@ -72,13 +72,13 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     again = {k.name: k.source for k in family_kernels("gdn")}
     for k in ks:
         assert again[k.name] == k.source  # deterministic
-        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w2_mb16_dyn"  # every parameter in the name
-        dk = k.meta["dk"]  # dynamic shared memory per position: q, k rows, 16 values, beta, decay / k, u, decay
-        assert (k.meta["smem_per_t"], k.meta["advance_smem_per_t"]) == (4 * (2 * dk + 18), 4 * (dk + 17))
-        assert "__launch_bounds__(64, 16)" in k.source
+        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w4_mb8_dyn"  # every parameter in the name
+        dk = k.meta["dk"]  # dynamic shared memory per position: q, k rows, 32 values, beta, decay / k, u, decay
+        assert (k.meta["smem_per_t"], k.meta["advance_smem_per_t"]) == (4 * (2 * dk + 34), 4 * (dk + 33))
+        assert "__launch_bounds__(128, 8)" in k.source
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
         assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source
-        assert f"step<{k.meta['dk']}, 16, 2>" in k.source  # the specialisation only; logic in the header
+        assert f"step<{k.meta['dk']}, 16, 4>" in k.source  # the specialisation only; logic in the header
 
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
@@ -89,8 +89,8 @@ def test_manifest_lists_the_family_and_files_exist() -> None:
         if e["mode"] == "io":
             assert (e["threads"], e["warps"], e["max_d"]) == (128, 4, 256)
         elif e["mode"] == "step":
-            assert (e["threads"], e["cols"], e["max_t"]) == (64, 16, 16)
-            assert e["smem_per_t"] == 4 * (2 * e["dk"] + 18) and e["advance_smem_per_t"] == 4 * (e["dk"] + 17)
+            assert (e["threads"], e["cols"], e["max_t"]) == (128, 32, 16)
+            assert e["smem_per_t"] == 4 * (2 * e["dk"] + 34) and e["advance_smem_per_t"] == 4 * (e["dk"] + 33)
         else:
             w = 4 if e["dk"] >= 32 else 2  # 4 warps where a chunk's q / k staging is whole rounds of 128 threads
             assert (e["mode"], e["threads"], e["cols"], e["chunk"]) == ("prefill", 32 * w, 4 * w, 16)

@@ -16,6 +16,8 @@ import statistics
 import torch
 from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_step
 
+from dflashgen.gdn_family import COLS
+
 HK, HV, DK, DV, T = 16, 48, 128, 128, 8
 
 
@@ -59,7 +61,7 @@ def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, flo
         gdn_advance(s, k_out[None], u[None], decay[None], n)
 
     return {"B": b, "step_us": round(_graph_us(step), 2), "advance_us": round(_graph_us(advance), 2),
-            "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": (DV // 16) * HV * b}
+            "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": -(-DV // COLS) * HV * b}
 
 
 def main() -> None:
