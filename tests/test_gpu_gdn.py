@@ -62,7 +62,7 @@ def test_kernel_equals_reference(arch: str | int, t: int, hk: int, hv: int, dk: 
     adv, ref_adv = s0.clone(), s0.clone()
     gdn_advance(adv, k, u, d, n, arch=_arch(arch))
     reference_advance(ref_adv, k, u, d, n)
-    assert torch.equal(adv, ref_adv)  # same inputs, mul and add only: bitwise
+    assert torch.equal(adv, ref_adv)  # same inputs, products and fmas only (no expf): bitwise
     assert torch.equal(adv, commit)  # advance == the step's own commit
 
 
