@@ -310,3 +310,47 @@ def test_bench_ab_compares_runs_by_label(tmp_path: Path, monkeypatch, capsys) ->
     assert f"| {p} | 8 | 21.00 | -5.7 |" in out  # (20 + 22) / 2 -> 19.8
     assert f"| {p} | 64 | 30.00 | +5.0 |" in out  # the fallback's (baseline) time
     assert "| 1 | fp8 | 8 | 6.25 (80.0%) | 5.00 (100.0%) |" in out
+
+
+def test_wgc_clock_probe_patches_the_headers_and_reads_its_stamps(tmp_path: Path) -> None:
+    """tools/wgc_clock_probe.py: its stamps patch cleanly into a copy of the shipped kernel headers
+    (the diff must follow skinny_gemm_pw.cuh), a served WGC tile compiles against that copy for
+    compute_90a with the stamp buffers in it, and the analysis turns stamps of known spacing into
+    those intervals (medians over the steady groups) and the CTAs' waves."""
+    import numpy as np
+
+    from dflashgen.render import render_kernel
+    from dflashgen.toolchain import headers_dir, nvrtc_compile
+    from dflashgen.tune import spec_of
+
+    probe = _tool("wgc_clock_probe")
+    inc = probe.probe_headers(tmp_path)
+    patched = (inc / "dflashgen" / "skinny_gemm_pw.cuh").read_text()
+    assert patched.count("DFG_STAMP(") >= 10 and "DFG_STAMP" not in (headers_dir() / "dflashgen" /
+                                                                       "skinny_gemm_pw.cuh").read_text()
+    man = json.loads((Path(__file__).parent.parent / "generated" / "manifest.json").read_text())
+    name = "dfg_sm90_nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r64_nt1_wn12_st8_xa0_xs1_sw1_pw4_wc1_xr8_wsf1_mb1"
+    entry = next(e for e in man["kernels"] if e["name"] == name)
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(render_kernel(spec_of(entry)))
+    nvrtc_compile(cu, tmp_path / "probe.ptx", "90a", headers=inc)
+    ptx = (tmp_path / "probe.ptx").read_text()
+    assert "dfg_probe_cta" in ptx and "%globaltimer" in ptx and "wgmma.mma_async" in ptx
+    # stamps: group a of warpgroup g starts at 1000 a + 7 g; the steps 0..6 at fixed offsets
+    offs = (0, 90, 140, 150, 165, 565, 645)
+    clk = np.zeros((2, 8, 128, 8), dtype=np.uint64)
+    for a in range(128):
+        for g in range(3):
+            clk[:, g, a, :7] = [1000 * a + 7 * g + o for o in offs]
+        for p in range(4):
+            clk[:, 4 + p, a, :3] = [1000 * a + 1, 1000 * a + 2001, 1000 * a + 2601]
+    cta = np.zeros((2048, 4), dtype=np.uint64)
+    n = 182  # the tile's CTAs at M = 64: two per SM on 50 SMs, the second wave starting at 40 us
+    for i in range(n):
+        cta[i] = (40_000 * (i >= 132), 40_000 * (i >= 132) + 39_000, i % 132, 0)
+    r = probe.analyse(entry, clk, cta, 64)
+    assert (r["ctas"], r["sms_used"], r["ctas_per_sm_max"]) == (182, 132, 2) and r["span_us"] == 79.0
+    wg1 = r["cta_first"]["wg1"]
+    assert (wg1["period"], wg1["issue"], wg1["wait_retire"], wg1["decode"], wg1["wait_xfull"], wg1["skew_vs_wg0"]) \
+        == (1000, 90, 50, 400, 80, 7)
+    assert r["cta_last"]["act2"] == {"wait_xempty": 2000, "store": 600, "period": 4000}

@@ -20,7 +20,9 @@
 #                                          # (tools/wgmma_race.py: verified first, then timed):
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
 #                                          # applied to this copy only first (e.g. a tile list switched
-#                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C
+#                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C; CLOCKS="kernel
+#                                          # ..." then times each WGC kernel's steps from clock64
+#                                          # stamps (tools/wgc_clock_probe.py, CLOCKS_M rows, default 64)
 #   PART=W ...                             # tools/wgmma_roles_probe.cu (which wgmma shape an M = 32-64
 #                                          # GEMM can feed: m64n64k16 RS vs m64n256k16 SS, with and
 #                                          # without a storing warpgroup) and tools/wgmma_swap_proto.cu
@@ -169,5 +171,9 @@ R)
   timeout 540 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1  # and --timeout per problem
   echo "race rc $?"; tail -40 "$R/race.txt"
   pack
+  if [ -n "${CLOCKS:-}" ]; then
+    echo "== clock probe"; timeout 180 python3 tools/wgc_clock_probe.py $CLOCKS --m ${CLOCKS_M:-64} --json "$R/clocks.json" \
+      > "$R/clocks.txt" 2>&1; echo "probe rc $?"; tail -60 "$R/clocks.txt"
+  fi
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
 esac
