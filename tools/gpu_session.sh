@@ -19,11 +19,17 @@ want verify && step dflashgen verify --arch 90 70 2>&1 | grep -v "verify:" | tee
 want pytest && step python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail -20 | tee "$OUT/overhead.txt"
 if want tune; then
-  TUNE=$(mktemp -d)  # the journal stays there; the table and its measurements come back
-  step dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
-  cp "$TUNE/nvidia-h200.json" "$OUT/"
-  # every timed candidate per problem and M (losing K plans, e.g. wgmma, included): tune.py timings_us
-  gzip -c "$TUNE/nvidia-h200.measurements.json" > "$OUT/tune-measurements.json.gz"
+  # the journal stays in /tmp/dfg/tune: a run cut short (TUNE_TIMEOUT seconds, 0: none) resumes there
+  # on the same (warm) machine; the table and its measurements come back once it completes
+  TUNE=/tmp/dfg/tune; mkdir -p "$TUNE"
+  step timeout "${TUNE_TIMEOUT:-0}" dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
+  if [ -f "$TUNE/nvidia-h200.json" ]; then
+    cp "$TUNE/nvidia-h200.json" "$OUT/"
+    # every timed candidate per problem and M (losing K plans, e.g. wgmma, included): tune.py timings_us
+    gzip -c "$TUNE/nvidia-h200.measurements.json" > "$OUT/tune-measurements.json.gz"
+  else
+    echo "tune not finished (journal in $TUNE): run PART=A2 again on this machine"; STEPS=${STEPS/bench/}
+  fi
 fi
 TABLE=$OUT/nvidia-h200.json; [ -f "$TABLE" ] || TABLE=tuning/nvidia-h200.json
 want bench && step dflashgen bench --table "$TABLE" --out "$OUT/bench" 2>&1 | grep -v "bench:" | tail -24
