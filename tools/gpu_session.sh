@@ -21,7 +21,7 @@ want overhead && step dflashgen overhead --out "$OUT/overhead.json" 2>&1 | tail 
 if want tune; then
   # the journal stays in /tmp/dfg/tune: a run cut short (TUNE_TIMEOUT seconds, 0: none) resumes there
   # on the same (warm) machine; the table and its measurements come back once it completes
-  TUNE=/tmp/dfg/tune; mkdir -p "$TUNE"
+  TUNE=/tmp/dfg/tune; mkdir -p "$TUNE"; rm -f "$TUNE/nvidia-h200.json"  # (a table from an earlier run)
   step timeout "${TUNE_TIMEOUT:-0}" dflashgen tune --out "$TUNE/nvidia-h200.json" 2>&1 | grep -v "tune:" | tail -2
   if [ -f "$TUNE/nvidia-h200.json" ]; then
     cp "$TUNE/nvidia-h200.json" "$OUT/"
