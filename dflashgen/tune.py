@@ -28,7 +28,7 @@ import torch
 from .prepack import Layout, PackedWeight, prepack
 from .schedule import KernelSpec, KPlan, Tile, model_us
 from .timing import Timing, copies_for, graph_time, read_bandwidth
-from .verify import random_fp8, random_nvfp4
+from .verify import random_packed
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 SERVABLE_PEERS = ("cublas_fp16", "fallback")
@@ -136,12 +136,7 @@ class Baselines:
 
 
 def _weights(p: Problem, device: torch.device, seed: int) -> tuple[Any, PackedWeight]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if p.fmt == "nvfp4":
-        w = random_nvfp4(p.n, p.k, (p.n // 2, p.n // 2) if p.silu else (p.n,), device, gen)
-    else:
-        w = random_fp8(p.n, p.k, device, gen)
-    return w, prepack(w, Layout(p.arch, p.fmt, p.n, p.k, p.silu))
+    return random_packed(p.arch, p.fmt, p.n, p.k, p.silu, device, torch.Generator(device=device).manual_seed(seed))
 
 
 def time_kernel(kern: Any, packed: PackedWeight, x: torch.Tensor, copies: int,

@@ -50,6 +50,15 @@ def random_fp8(n: int, k: int, device: torch.device, gen: torch.Generator) -> FP
     return FP8ChannelWeight(raw.view(torch.float8_e4m3fn), scale)
 
 
+def random_packed(arch: int, fmt: str, n: int, k: int, silu: bool, device: torch.device,
+                  gen: torch.Generator) -> tuple[NVFP4Weight | FP8ChannelWeight, PackedWeight]:
+    """A random weight for one problem (NVFP4: a global scale per gate / up half when fused) and its
+    prepack for that arch: what verify, tune and the probes run kernels on."""
+    w = random_nvfp4(n, k, (n // 2, n // 2) if silu else (n,), device, gen) if fmt == "nvfp4" \
+        else random_fp8(n, k, device, gen)
+    return w, prepack(w, Layout(arch, fmt, n, k, silu))
+
+
 @dataclass
 class KernelReport:
     name: str
@@ -106,12 +115,7 @@ def verify_problem(entries: list[dict[str, Any]], images: dict[str, tuple[Path, 
     e0 = entries[0]
     gen = torch.Generator(device=device).manual_seed(seed)
     n, k, silu = e0["n"], e0["k"], e0["epilogue"] == "silu"
-    if e0["format"] == "nvfp4":
-        segs = (n // 2, n // 2) if silu else (n,)
-        w = random_nvfp4(n, k, segs, device, gen)
-    else:
-        w = random_fp8(n, k, device, gen)
-    packed = prepack(w, Layout(e0["arch"], e0["format"], n, k, silu))
+    w, packed = random_packed(e0["arch"], e0["format"], n, k, silu, device, gen)
     mmax = max(ms)
     x = torch.randn((mmax, k), device=device, dtype=torch.float16, generator=gen)
     ref = reference_gemm(x, w)

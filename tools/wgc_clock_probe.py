@@ -140,8 +140,7 @@ def main() -> None:
     import torch
     from dflashgen.runtime import GemmKernel
 
-    from dflashgen.prepack import Layout, prepack
-    from dflashgen.verify import random_fp8, random_nvfp4
+    from dflashgen.verify import random_packed
     man = json.loads((Path(__file__).resolve().parents[1] / "generated" / "manifest.json").read_text())
     entries = {e["name"]: e for e in man["kernels"]}
     dev = torch.device("cuda", 0)
@@ -152,9 +151,7 @@ def main() -> None:
             e = entries[name]
             n, k, silu = e["n"], e["k"], e["epilogue"] == "silu"
             gen = torch.Generator(device=dev).manual_seed(0)
-            w = random_nvfp4(n, k, (n // 2, n // 2) if silu else (n,), dev, gen) if e["format"] == "nvfp4" \
-                else random_fp8(n, k, dev, gen)
-            packed = prepack(w, Layout(e["arch"], e["format"], n, k, silu))
+            _, packed = random_packed(e["arch"], e["format"], n, k, silu, dev, gen)
             x = torch.randn((args.m, k), device=dev, dtype=torch.float16, generator=gen)
             kern = GemmKernel(e, probe_cubin(e, Path(tmp), inc), max_m=args.m, device=dev)
             for _ in range(3):
