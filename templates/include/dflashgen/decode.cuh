@@ -70,6 +70,14 @@ __device__ __forceinline__ void cp_async16_if(void* smem, const void* gmem, bool
                :: "r"(s), "l"(gmem), "r"(static_cast<int>(pred)) : "memory");
 #endif
 }
+// base + i * STRIDE in one IMAD.WIDE, opaque to the compiler: in a loop the address is not turned
+// into a 64-bit induction variable (an IADD3 pair per step and pointer, plus register copies)
+template <unsigned STRIDE>
+__device__ __forceinline__ const char* at_wide(const char* base, unsigned i) {
+  uint64_t r;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(i), "n"(STRIDE), "l"(reinterpret_cast<uint64_t>(base)));
+  return reinterpret_cast<const char*>(r);
+}
 // Unpredicated 16- and 4-byte forms (W_ASYNC weight ring: every copy is in bounds, the streams are
 // padded); the 4-byte one goes through L1 (.ca: .cg takes 16 bytes only).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

@@ -393,11 +393,13 @@ struct SkinnyGemmPw {
     w = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
     sc = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
   }
-  __device__ static void self_copy(char* smem, int slot, const char* w, const char* sc, int wn, int lane) {
+  // (predicated copies, not branches: a branch around them cost ~15 instructions per group of the
+  // consumers' issue-bound loop, session 24)
+  __device__ static void self_copy(char* smem, int slot, const char* w, const char* sc, int wn, int lane,
+                                   bool pred) {
     char* st = smem + slot * STAGE;
-    cp_async16(st + W_OFF + wn * 512 + 16 * lane, w);
-    if constexpr (NVFP4)
-      if (lane < 4) cp_async16(st + S_OFF + wn * 64 + 16 * lane, sc);
+    cp_async16_if(st + W_OFF + wn * 512 + 16 * lane, w, pred);
+    if constexpr (NVFP4) cp_async16_if(st + S_OFF + wn * 64 + 16 * (lane & 3), sc, pred && lane < 4);
   }
   // the ring's first ST - 1 groups, one committed cp.async group each (empty past the range), so that
   // before decoding ring position r exactly ST - 2 newer groups may still be in flight
@@ -409,7 +411,7 @@ struct SkinnyGemmPw {
 #pragma unroll 1
     for (int r = 0; r < ST - 1; ++r) {
       const size_t a = a0 + r;
-      if (a0 + r < a1) self_copy(smem, r, w + a * 512, sc + a * 64, wn, lane);
+      self_copy(smem, r, w + a * 512, sc + a * 64, wn, lane, a0 + r < a1);
       cp_async_commit();
     }
   }
@@ -429,8 +431,7 @@ struct SkinnyGemmPw {
     typename T::Frag frag[2];
     // (ring slots and phases from unsigned group positions in the CTA's range: a shift and a mask where
     // the depth is a power of 2)
-    // W_SELF: this lane's sources of the next group to copy (ring position a + ST - 1 at load(a): the
-    // positions are loaded in order across the workers, so one pointer each steps by a group)
+    // W_SELF: this lane's sources of ring position ST - 1; load(a) copies position a + ST - 1
     const char *wnext = nullptr, *snext = nullptr;
     if constexpr (WSELF) {
       self_src(wq, wscale, wn, lane, wnext, snext);
@@ -454,10 +455,9 @@ struct SkinnyGemmPw {
       if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + wn * 64)[T::scale_index()];
       T::decode(wv, sc, f);
       if constexpr (WSELF) {  // refill the slot of position a - 1 with position a + ST - 1
-        if (static_cast<int>(a) + ST - 1 < split_end() - split_begin()) self_copy(smem, (a + ST - 1) % ST, wnext, snext, wn, lane);
+        self_copy(smem, (a + ST - 1) % ST, at_wide<512>(wnext, a), at_wide<64>(snext, a), wn, lane,
+                  static_cast<int>(a) + ST - 1 < split_end() - split_begin());
         cp_async_commit();
-        wnext += 512;
-        snext += 64;
       } else {
         mbar_arrive(empty(sb, s));  // after the decode that consumed the loads: the weight slot is free
       }
