@@ -49,6 +49,7 @@ MIN_BLOCKS = 8
 # the step / advance pair: 8 CTAs of 4 warps per SM cap ptxas at 64 registers (state 32 + the position's
 # temporaries fit without spills once q / k staging holds no registers): 32 warps resident
 STEP_MIN_BLOCKS = 8
+REPLAY_MIN_BLOCKS = 7  # the replaying step (`_replay`): its extra staging spilled at 64 registers
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
 # The prefill kernel: 2 columns per thread and 4 warps per CTA, so twice the warps of the step's layout
@@ -108,7 +109,8 @@ def render_io(arch: int) -> str:
 def render(arch: int, dk: int) -> str:
     return _env().get_template("gdn.cu.j2").render(
         version=__version__, name=kernel_name(arch, dk), arch=arch, dk=dk, maxt=MAX_T, warps=WARPS,
-        threads=THREADS, cols=COLS, min_blocks=STEP_MIN_BLOCKS, step_smem_per_t=step_smem_per_t(dk),
+        threads=THREADS, cols=COLS, min_blocks=STEP_MIN_BLOCKS, replay_min_blocks=REPLAY_MIN_BLOCKS,
+        step_smem_per_t=step_smem_per_t(dk),
         advance_smem_per_t=advance_smem_per_t(dk))
 
 

@@ -9,8 +9,9 @@ Per request b and value head h (reading key head ``h // (Hv / Hk)``), for t = 0.
     o_t = S^T q_t
 
 :func:`gdn_step` returns o, u and d for every position (optionally committing the state after ``n[b]``
-positions); :func:`gdn_advance` applies the first ``n[b]`` positions' updates from those terms (the
-rollback after a verify forward, every layer at once); :func:`gdn_prefill` runs any T in one launch
+positions, optionally first replaying a previous step's terms: a deferred rollback); :func:`gdn_advance`
+applies the first ``n[b]`` positions' updates from those terms (the rollback after a verify forward,
+every layer at once); :func:`gdn_prefill` runs any T in one launch
 (a prefill not armed for rollback: outputs o, the state committed in place after ``n[b]`` positions;
 the family's prefill kernel, the step's position body: bitwise T one-position steps). All use one
 update expression and one fixed reduction order over the key dim (``gdn.cuh``; :func:`reference_step`
@@ -223,11 +224,12 @@ class _Kernels:
         mod = load_module(entry, device_index)
         self.name = entry["name"]
         self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
+        self.step_replay = mod.function(self.name + "_replay")  # the same arguments (gdn.cu.j2)
         # dynamic shared memory per position (gdn.cuh step / advance_smem_floats_per_t): sized per launch
         self.step_smem_per_t, self.adv_smem_per_t = int(entry["smem_per_t"]), int(entry["advance_smem_per_t"])
         self.cols, self.threads = int(entry["cols"]), int(entry["threads"])  # per CTA (gdn_family.COLS / THREADS)
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-        self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p])
+        self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p, p, p])
         self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
 
 
@@ -280,21 +282,35 @@ def _ptr(t: Tensor | None) -> int:
 def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
              o: Tensor | None = None, u: Tensor | None = None, decay: Tensor | None = None,
              k_out: Tensor | None = None, commit: Tensor | None = None, n: Tensor | None = None,
+             replay_n: Tensor | None = None, arrive: Tensor | None = None,
              arch: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """T <= 16 positions of the gated delta rule from state ``s0`` (read only, unless it is ``commit``).
 
     Returns (o, u, decay) -- into ``o`` / ``u`` / ``decay`` when given (contiguous, e.g. stacked
     decode-state buffers). ``k_out``: also copy k there (what :func:`gdn_advance` needs). ``commit``:
     write the state after ``n[b]`` positions (int64 ``[B]`` on the device; None: all T) there; it may
-    be ``s0`` (in place). CUDA: the generated kernel; otherwise :func:`reference_step`."""
+    be ``s0`` (in place). ``replay_n`` (int64 ``[B]``; needs ``k_out``, ``u``, ``decay`` and ``arrive``):
+    first ``s0`` <- ``s0`` after the first ``replay_n[b]`` positions of the terms those buffers hold
+    (a previous step's, T positions: :func:`gdn_advance`'s update, bitwise), in place, then this step
+    from it -- a rollback folded into the next step. ``arrive``: int32 ``[B, Hk]`` zeros (left zero),
+    the kernel's count of which CTAs have read the old terms. CUDA: the generated kernel; otherwise
+    :func:`reference_step`."""
     b, t, hk, hv, dk, dv = _step_dims(s0, q, k, v, beta, log_decay)
     dev = s0.device
     for name, x, shape in (("o", o, (b, t, hv, dv)), ("u", u, (b, t, hv, dv)), ("decay", decay, (b, t, hv)),
                            ("k_out", k_out, (b, t, hk, dk)), ("commit", commit, (b, hv, dk, dv))):
         _check(name, x, shape, dev)
     _check("n", n, (b,), dev, dtype=torch.long)
+    if replay_n is not None:
+        if k_out is None or u is None or decay is None or arrive is None:
+            _fail("replay_n needs k_out, u and decay (the terms to replay) and arrive")
+        _check("replay_n", replay_n, (b,), dev, dtype=torch.long)
+        _check("arrive", arrive, (b, hk), dev, dtype=torch.int32)
     _aligned(s0, commit)
     if dev.type != "cuda":
+        if replay_n is not None:
+            assert k_out is not None and u is not None and decay is not None
+            reference_advance(s0, k_out, u, decay, replay_n)
         ro, ru, rd = reference_step(s0, q, k, v, beta, log_decay, commit=commit, n=n)
         if k_out is not None:
             k_out.copy_(k)
@@ -311,11 +327,13 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     with a.lock:
         vals = (s0.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
                 beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), u.data_ptr(),
-                decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n))
+                decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n), _ptr(replay_n), _ptr(arrive))
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        kn.step.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx),
-                            t * kn.step_smem_per_t)
+        smem, fn = t * kn.step_smem_per_t, kn.step
+        if replay_n is not None:  # gdn.cuh step_replay_offset: the advance's region at a 16-byte boundary
+            smem, fn = -(-smem // 16) * 16 + t * kn.adv_smem_per_t, kn.step_replay
+        fn.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx), smem)
     return o, u, decay
 
 

@@ -254,9 +254,12 @@ class DecodeState:
     the gated delta rule -- keys k_t, delta-rule values u_t and decays d_t -- from which
     :meth:`rollback` replays ``S <- d_t S + k_t u_t^T`` for the first n positions with the step's own
     update (:func:`~.gdn_kernel.gdn_advance`, every layer in one launch): bitwise a ``num_new`` commit
-    and n one-token steps. A forward of more than 16 positions keeps chunk terms instead (keys,
-    values, cumulative log decays) and rolls back by the closed form
-    ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``.
+    and n one-token steps. That replay is deferred: rollback records n, and the next armed forward's
+    GDN steps replay it as they read the state anyway (one state read per round instead of two);
+    reading ``ssm`` / ``ssm_all`` (or :meth:`settle`) applies it first, so the state read is always
+    the rolled-back one (``DFLASHGEN_GDN_FOLD=0``: rollback advances at once). A forward of more than
+    16 positions keeps chunk terms instead (keys, values, cumulative log decays) and rolls back by the
+    closed form ``exp(G_n) S0 + sum_{i<n} exp(G_n - G_i) k_i u_i^T``.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -280,11 +283,13 @@ class DecodeState:
         dk = dv = w = 1
         if n_gdn:
             _, _, dk, dv, w = _gdn_dims(cfg)
-        self.ssm_all = torch.zeros(n_gdn, batch, nv_l, dk, dv, dtype=torch.float32, device=device)
+        self._ssm_all = torch.zeros(n_gdn, batch, nv_l, dk, dv, dtype=torch.float32, device=device)
         self.conv_all = torch.zeros(n_gdn, batch, 2 * nk_l * dk + nv_l * dv, w - 1, dtype=torch.float32,
                                     device=device)
-        self.ssm = {i: self.ssm_all[j] for i, j in self.gdn_index.items()}
+        self._ssm = {i: self._ssm_all[j] for i, j in self.gdn_index.items()}
         self.conv = {i: self.conv_all[j] for i, j in self.gdn_index.items()}
+        self._deferred = False  # a rollback ever deferred its GDN replay (sticky: graph replays may re-arm it)
+        self._nk = nk_l
         self._armed = 0  # positions the next forward keeps rollback terms for (0: commit everything)
         self._span = 0  # positions of the armed forward awaiting rollback (0: none)
         self._gdn_seq = True  # the armed forward kept sequential-step terms (T <= 16), else chunk terms
@@ -299,12 +304,46 @@ class DecodeState:
         sub = object.__new__(DecodeState)
         sub.batch, sub.max_len = batch, self.max_len
         sub.lengths = self.lengths[:batch]
-        sub.gdn_index = self.gdn_index
-        sub.ssm_all, sub.conv_all = self.ssm_all[:, :batch], self.conv_all[:, :batch]
-        for name in ("k", "v", "ssm", "conv"):
+        sub.gdn_index, sub._nk = self.gdn_index, self._nk
+        sub._ssm_all, sub.conv_all = self._ssm_all[:, :batch], self.conv_all[:, :batch]
+        for name in ("k", "v", "_ssm", "conv"):
             setattr(sub, name, {i: t[:batch] for i, t in getattr(self, name).items()})
         sub._armed, sub._span, sub._bufs, sub._root, sub._gdn_seq = 0, 0, {}, self._root, True
         return sub
+
+    @property
+    def ssm_all(self) -> Tensor:
+        """GDN recurrent states of every layer ``[layers, B, Hv, dk, dv]`` FP32, any deferred rollback applied."""
+        self.settle()
+        return self._ssm_all
+
+    @property
+    def ssm(self) -> dict[int, Tensor]:
+        """Layer index -> its GDN recurrent state ``[B, Hv, dk, dv]`` (a view of ``ssm_all``), settled."""
+        self.settle()
+        return self._ssm
+
+    def settle(self) -> None:
+        """Apply a deferred GDN rollback now (every slot of the root state, every layer: one
+        :func:`~.gdn_kernel.gdn_advance`; a no-op where nothing is pending). Device work only, no sync."""
+        root = self._root
+        if not root._deferred:
+            return
+        n = root._bufs["gdn_replay"]
+        gdn_advance(root._ssm_all, root.stacked("gdn_k"), root.stacked("gdn_u"), root.stacked("gdn_decay"), n)
+        n.zero_()
+
+    def replay_terms(self, t: int) -> tuple[Tensor, Tensor] | None:
+        """For an armed forward of t <= 16 positions whose GDN steps fold the deferred rollback in: the
+        per-request replay counts ``[B]`` and the steps' arrival counters ``[layers, B, Hk]`` (zeros).
+        None where rollbacks advance at once. A deferred replay kept in terms of another T is applied first
+        (the forward's terms reuse those buffers)."""
+        if not _gdn_fold() or not self.gdn_index:
+            return None
+        held = self._root._bufs.get("stacked:gdn_u")
+        if held is not None and held.shape[2] != t:
+            self.settle()
+        return self.buffer("gdn_replay", (), torch.long), self.stacked("gdn_arrive", (self._nk,), torch.int32)
 
     def buffer(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """Scratch ``[batch, *shape]`` that persists across forwards (allocated once, full batch, in the
@@ -319,8 +358,8 @@ class DecodeState:
             buf = root._bufs[name] = torch.zeros((root.batch, *shape), dtype=dtype, device=root.lengths.device)
         return buf[:self.batch]
 
-    def stacked(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
-        """Like :meth:`buffer`, FP32 ``[GDN layers, batch, *shape]`` (layer-major: one batched op
+    def stacked(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Like :meth:`buffer`, ``[GDN layers, batch, *shape]`` (layer-major: one batched op
         covers every layer; ``[j]`` is GDN layer j's contiguous ``[batch, *shape]`` block)."""
         root = self._root
         key = "stacked:" + name
@@ -328,8 +367,8 @@ class DecodeState:
         if shape is None:
             if buf is None:
                 raise RuntimeError(f"decode state buffer {name!r} was never written")
-        elif buf is None or buf.shape[2:] != shape:
-            buf = root._bufs[key] = torch.zeros((len(self.gdn_index), root.batch, *shape),
+        elif buf is None or buf.shape[2:] != shape or buf.dtype != dtype:
+            buf = root._bufs[key] = torch.zeros((len(self.gdn_index), root.batch, *shape), dtype=dtype,
                                                 device=root.lengths.device)
         return buf[:, :self.batch]
 
@@ -354,8 +393,13 @@ class DecodeState:
             raise ValueError(f"rollback lengths {lengths.tolist()} outside the checkpointed range "
                              f"[{base.tolist()}, +{t}]")
         if self.gdn_index:  # every layer at once
-            if self._gdn_seq:  # the step's own update, one launch: bitwise n committed single steps
-                gdn_advance(self.ssm_all, self.stacked("gdn_k"), self.stacked("gdn_u"), self.stacked("gdn_decay"), n)
+            if self._gdn_seq:  # the step's own update: bitwise n committed single steps
+                if _gdn_fold():  # deferred: the next armed forward's steps (or settle) replay it
+                    self.buffer("gdn_replay", (), torch.long).copy_(n)
+                    self._root._deferred = True
+                else:  # one launch, now
+                    gdn_advance(self._ssm_all, self.stacked("gdn_k"), self.stacked("gdn_u"),
+                                self.stacked("gdn_decay"), n)
                 cat = self.stacked("gdn_conv_cat").transpose(-1, -2)  # stored time-major
             else:  # a chunk-form forward (T > 16): its closed form
                 _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n,
@@ -587,6 +631,8 @@ class TargetModel(torch.nn.Module):
             if n_new is not None and (n_new.shape != (b,) or bool((n_new < 0).any()) or bool((n_new > t).any())):
                 raise ValueError(f"num_new must be {b} counts in [0, {t}], got {n_new.tolist()}")
         keep = state._armed > 0
+        # an armed verify forward's GDN steps replay the deferred rollback (DecodeState.settle's work)
+        replay = state.replay_terms(t) if keep and t <= _SMALL_CHUNK else None
         pos = base[:, None] + torch.arange(t, device=base.device)  # [B, T]
         ang = pos[..., None].double() * self.inv_freq  # fp64 angles: exact per position, any batch
         emb = torch.cat((ang, ang), -1)
@@ -598,7 +644,7 @@ class TargetModel(torch.nn.Module):
             p = f"model.layers.{i}"
             h, x = self._add_norm(h, r, f"{p}.input_layernorm.weight")
             r = (self._attention(i, x, pos, cos, sin, state, kv_len) if lt == FULL
-                 else self._gdn(i, x, state, n_new, keep))
+                 else self._gdn(i, x, state, n_new, keep, replay))
             h, x = self._add_norm(h, r, f"{p}.post_attention_layernorm.weight")
             r = self._mlp(i, x)
             if i in tap_set:
@@ -608,6 +654,8 @@ class TargetModel(torch.nn.Module):
         out = (self._lin(self.lm_head, self._add_norm(h, r, "model.norm.weight")[1]) if logits
                else h.new_empty(b, t, 0))
 
+        if replay is not None:  # every layer replayed it (a device op: graph replays redo it)
+            replay[0].zero_()
         if keep:
             state.buffer("base", (), torch.long).copy_(base)
             state._span = t
@@ -723,7 +771,8 @@ class TargetModel(torch.nn.Module):
         o = s.softmax(-1).view(b, hkv, g * t, length) @ vc.permute(0, 2, 1, 3).float()  # [B, Hkv, G*T, D]
         return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).flatten(2, 3)  # a view: heads stay grouped
 
-    def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool) -> Tensor:
+    def _gdn(self, i: int, x: Tensor, state: DecodeState, n_new: Tensor | None, keep: bool,
+             replay: tuple[Tensor, Tensor] | None = None) -> Tensor:
         b, t, _ = x.shape
         _, _, dk, dv, _ = _gdn_dims(self.cfg)
         _, _, nk, nv = self.heads  # this rank's key / value heads
@@ -745,7 +794,7 @@ class TargetModel(torch.nn.Module):
             cat = torch.cat(parts, dim=1).transpose(1, 2)
         if t <= _SMALL_CHUNK or (not keep and _sequential_prefill(x.device, dk)):
             # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness)
-            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io)
+            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay)
         else:
             bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
@@ -765,7 +814,7 @@ class TargetModel(torch.nn.Module):
                                    nk, dk, nv, dv)
 
     def _gdn_steps(self, i: int, cat: Tensor, zba: Tensor, state: DecodeState, n_new: Tensor | None,
-                   keep: bool, io: bool) -> Tensor:
+                   keep: bool, io: bool, replay: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA), an
         unarmed T > 16 (prefill) through :func:`~.gdn_kernel.gdn_prefill` (one launch, commit only):
         position by position, so any T, batch and accepted length round exactly like one-token
@@ -787,14 +836,16 @@ class TargetModel(torch.nn.Module):
         else:
             bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
             q, k, v, beta, log_decay = self._gdn_inputs(i, reference_conv(cat, wt, t), bet, a)
-        s0 = state.ssm[i]
-        if keep:
+        if keep:  # the state stays (after replaying a deferred rollback: `replay`); terms for rollback
             j = state.gdn_index[i]
             _, _, nv, dv = v.shape
-            o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
+            o, _, _ = gdn_step(state._ssm[i], q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
                                decay=state.stacked("gdn_decay", (t, nv))[j],
-                               k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j])
+                               k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j],
+                               replay_n=None if replay is None else replay[0],
+                               arrive=None if replay is None else replay[1][j])
             return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
+        s0 = state.ssm[i]
         if t <= _SMALL_CHUNK:
             o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
         else:
@@ -862,6 +913,12 @@ def _sequential_prefill(device: torch.device, dk: int) -> bool:
 
 
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only
+
+
+def _gdn_fold() -> bool:
+    """Whether a sequential GDN rollback is deferred into the next armed forward's steps
+    (``DFLASHGEN_GDN_FOLD=0``: advanced at once, one extra launch and state pass per round)."""
+    return os.environ.get("DFLASHGEN_GDN_FOLD", "1") != "0"
 # Longer inputs (prefill) run in chunks of this size through a triangular solve. Eager prefill is
 # launch-bound (~45 launches per chunk and layer), so chunks are long; every decay term is
 # exp(G_t - G_i) or exp(G_t) <= 1, so FP32 stays finite at any chunk length.

@@ -75,10 +75,11 @@ def test_family_renders_every_arch_and_key_dim() -> None:
         assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w4_mb8_dyn"  # every parameter in the name
         dk = k.meta["dk"]  # dynamic shared memory per position: q, k rows, 32 values, beta, decay / k, u, decay
         assert (k.meta["smem_per_t"], k.meta["advance_smem_per_t"]) == (4 * (2 * dk + 34), 4 * (dk + 33))
-        assert "__launch_bounds__(128, 8)" in k.source
+        assert "__launch_bounds__(128, 8)" in k.source and "__launch_bounds__(128, 7)" in k.source  # _replay: 7
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
-        assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source
-        assert f"step<{k.meta['dk']}, 16, 4>" in k.source  # the specialisation only; logic in the header
+        assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source and f"{k.name}_replay(" in k.source
+        # the specialisations only; logic in the header
+        assert f"step<{k.meta['dk']}, 16, 4, false>" in k.source and f"step<{k.meta['dk']}, 16, 4, true>" in k.source
 
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
@@ -110,7 +111,7 @@ def test_family_compiles_without_spills(arch: int) -> None:
             assert set(entries) == {a.name, a.name + "_gate"}
             assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
             continue
-        assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance"})
+        assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance", a.name + "_replay"})
         assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
         ptx = a.ptx.read_text()
         assert f".entry {a.name}(" in ptx and (prefill or f".entry {a.name}_advance(" in ptx)
@@ -184,6 +185,52 @@ def test_step_then_advance_is_bitwise_single_steps() -> None:
     one = (s0 * 0.5).clone()
     gdn_advance(one, k, u, decay, n)
     assert torch.equal(view[1], one)
+
+
+def test_replaying_step_is_advance_then_step() -> None:
+    """replay_n folds a deferred rollback into the next step: the state, outputs and the new terms
+    equal advance(n) and then the plain step (the reference path; tests/test_gpu_gdn.py: the kernel)."""
+    b, t, hk, hv, dk, dv = 3, 8, 2, 4, 32, 16
+    s0, q0, k0, v0, beta0, ld0 = _inputs(b, t, hk, hv, dk, dv, seed=5)
+    _, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=6)
+    u_t, d_t, k_t = torch.empty(b, t, hv, dv), torch.empty(b, t, hv), torch.empty(b, t, hk, dk)
+    gdn_step(s0, q0, k0, v0, beta0, ld0, u=u_t, decay=d_t, k_out=k_t)
+    n = torch.tensor([8, 0, 3])
+    ref = s0.clone()
+    gdn_advance(ref, k_t, u_t, d_t, n)
+    ro, ru, rd = gdn_step(ref, q, k, v, beta, ld)
+    st = s0.clone()
+    arrive = torch.zeros(b, hk, dtype=torch.int32)
+    o, u, d = gdn_step(st, q, k, v, beta, ld, u=u_t, decay=d_t, k_out=k_t, replay_n=n, arrive=arrive)
+    assert torch.equal(st, ref) and torch.equal(o, ro) and torch.equal(u, ru) and torch.equal(d, rd)
+    assert torch.equal(k_t, k)
+    with pytest.raises(GdnInputError, match="replay_n needs"):
+        gdn_step(s0, q, k, v, beta, ld, replay_n=n)
+
+
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_deferred_rollback_equals_committed_steps(model: TargetModel, fold: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three armed rounds with rollbacks (deferred into the next round's steps, or advanced at once
+    with DFLASHGEN_GDN_FOLD=0) leave the state of the same rounds committing n[b] positions each;
+    reading ssm_all settles a pending replay."""
+    monkeypatch.setenv("DFLASHGEN_GDN_FOLD", fold)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, CFG.vocab_size, (3, 6), generator=g)
+    a, b = model.new_state(3, 48), model.new_state(3, 48)
+    for st in (a, b):
+        model(prompt, st)
+    for n in (torch.tensor([1, 5, 8]), torch.tensor([8, 0, 2]), torch.tensor([3, 8, 1])):
+        block = torch.randint(0, CFG.vocab_size, (3, 8), generator=g)
+        la = model(block, a, num_new=n)
+        b.checkpoint(8)
+        lb = model(block, b)
+        b.rollback(b.lengths - 8 + n)
+        assert torch.equal(la, lb)
+    assert torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.conv_all, b.conv_all) and torch.equal(a.ssm_all, b.ssm_all)
+    if fold == "1":
+        assert not b.buffer("gdn_replay").any()  # reading ssm_all applied the last round's replay
 
 
 def test_request_bits_do_not_depend_on_the_batch() -> None:

@@ -88,6 +88,35 @@ def test_verify_then_advance_is_bitwise_single_steps(arch: str | int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(8, 16, 48, 128, 128), (7, 2, 6, 32, 40)])
+def test_replaying_step_is_advance_then_step(arch: str | int, t: int, hk: int, hv: int, dk: int, dv: int) -> None:
+    """The step with a deferred rollback folded in (replay_n: the previous step's terms, then this
+    step) == advance(n) followed by the plain step, bitwise: state, o, u, decay and k_out; the
+    arrival counters are left at 0, every group's terms written once (repeated: the counters reset)."""
+    from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_step
+
+    b = 3
+    a = _arch(arch)
+    s0, q0, k0, v0, beta0, ld0 = _inputs(b, t, hk, hv, dk, dv, seed=61 + dk)
+    _, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=62 + dk)
+    u_t, d_t, k_t = (torch.empty(b, t, hv, dv, device="cuda"), torch.empty(b, t, hv, device="cuda"),
+                     torch.empty(b, t, hk, dk, device="cuda"))
+    gdn_step(s0, q0, k0, v0, beta0, ld0, u=u_t, decay=d_t, k_out=k_t, arch=a)  # the previous round's terms
+    n = torch.tensor([t, 0, t // 2 + 1], device="cuda")
+    ref = s0.clone()
+    gdn_advance(ref, k_t, u_t, d_t, n, arch=a)
+    ro, ru, rd = gdn_step(ref, q, k, v, beta, ld, arch=a)
+    arrive = torch.zeros(b, hk, dtype=torch.int32, device="cuda")
+    for rep in range(2):
+        st, uu, dd, kk = s0.clone(), u_t.clone(), d_t.clone(), k_t.clone()
+        o, _, _ = gdn_step(st, q, k, v, beta, ld, u=uu, decay=dd, k_out=kk, replay_n=n, arrive=arrive, arch=a)
+        torch.cuda.synchronize()
+        assert torch.equal(st, ref), rep
+        assert torch.equal(o, ro) and torch.equal(uu, ru) and torch.equal(dd, rd) and torch.equal(kk, k), rep
+        assert not arrive.any(), rep
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("t", [1, 8, 16])
 def test_step_bits_do_not_depend_on_the_v_layout(arch: str | int, t: int) -> None:
     """The step copies v as float4 when its channels are contiguous and 16-byte aligned with batch /

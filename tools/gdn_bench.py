@@ -1,4 +1,5 @@
-"""Time the gated-delta-rule verify step (and the advance) at the Qwen3.8-27B GDN shapes per batch size:
+"""Time the gated-delta-rule verify step (the advance, and the step with a folded rollback) at the
+Qwen3.8-27B GDN shapes per batch size:
 T = 8 positions, 16 key / 48 value heads, dk = dv = 128, FP32 state. CUDA-graph replays of 20 launches,
 CUDA events, median of 15 replays; also the bytes of state the step reads and what that costs at
 the measured read bandwidth, so `us` can be read against a floor. Run under ncu with
@@ -60,7 +61,13 @@ def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, flo
     def advance() -> None:
         gdn_advance(s, k_out[None], u[None], decay[None], n)
 
+    s1, arrive = s0.clone(), torch.zeros(b, HK, dtype=torch.int32, device=dev)
+
+    def step_replay() -> None:  # a rollback of 5 positions folded into the next step (writes its state)
+        gdn_step(s1, q, k, v, beta, log_decay, o=o, u=u, decay=decay, k_out=k_out, replay_n=n, arrive=arrive)
+
     return {"B": b, "step_us": round(_graph_us(step), 2), "advance_us": round(_graph_us(advance), 2),
+            "step_replay_us": round(_graph_us(step_replay), 2),
             "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": -(-DV // COLS) * HV * b}
 
 

@@ -19,7 +19,10 @@
 // torch reference (runtime/gdn_kernel.py) emulates each fma exactly, so the bits stay the reference's.
 //
 // step    grid (ceil(dv / COLS), Hv, B): o, u and decay for every position; S0 is only read, except
-//         with `commit`: S after n[b] positions (n = nullptr: all T) is written to `commit` (may be S0).
+//         with `commit`: S after n[b] positions (n = nullptr: all T) is written to `commit` (may be S0),
+//         and with `replay_n`: first S0 <- S0 after replay_n[b] positions of the terms k_out / u /
+//         decay still hold (the previous armed step's: a deferred advance, the same update), written
+//         back to S0, and then this step's positions from it (a rollback folded into the next step).
 // advance grid (ceil(dv / COLS), Hv, L * B): S <- S after n[b] positions, from the u / decay / k a step
 //         wrote (one launch for every GDN layer: per-layer strides). The same update functions as step,
 //         so a T-position verify followed by advance(n) is bitwise n single-position steps.
@@ -195,23 +198,46 @@ struct Layout {
 // Dynamic shared memory of a step launch: qs [T][DK], ks [T][DK], vs [T][COLS], bs [T], ds [T] floats,
 // in that order (runtime/gdn_kernel.py launches with step_smem_bytes(T); gdn_family.py puts the per-position
 // bytes in the manifest). Sized for the launch's T, not MAXT: T = 8 needs half of T = 16's footprint.
+// A replaying step adds an advance's region (kp [T][DK], up [T][COLS], dp [T]) at the next 16-byte boundary.
 template <int DK, int COLS>
-constexpr int step_smem_floats_per_t() { return 2 * DK + COLS + 2; }
+__host__ __device__ constexpr int step_smem_floats_per_t() { return 2 * DK + COLS + 2; }
+template <int DK, int COLS>
+__device__ __forceinline__ int step_replay_offset(int T) { return (T * step_smem_floats_per_t<DK, COLS>() + 3) & ~3; }
+
+// Rows [0, rows) of a value-head row block (positions Hv * dv apart, from `from`: this CTA's first
+// column of position 0) into dst[t * COLS ...] as float4 copies; absent columns (dv not a multiple of
+// COLS; dv % 4 == 0, so a float4 of columns is all there or all absent) are zeroed. All loads issued
+// at once (cp.async on sm_80+; copy16_wait + sync before use).
+template <int MAXT, int THREADS, int COLS>
+__device__ __forceinline__ void stage_cols(float* dst, const float* from, long long pos_stride, int jc, int dv,
+                                           int rows) {
+  constexpr int C4 = COLS / 4;
+#pragma unroll
+  for (int m = 0; m < (MAXT * C4 + THREADS - 1) / THREADS; ++m) {
+    const int e = threadIdx.x + m * THREADS, t = e / C4, j4 = 4 * (e % C4);
+    if (t < rows) {
+      if (jc + j4 < dv)
+        copy16(dst + t * COLS + j4, from + t * pos_stride + j4);
+      else
+        zero16(dst + t * COLS + j4);
+    }
+  }
+}
 
 // q, k [B, T, Hk, DK] contiguous, 16-byte aligned; v element (b, t, h * dv + j) at b * vs_b + t * vs_t +
 // (h * dv + j) * vs_c (copied as float4 when vs_c == 1, v is 16-byte aligned and vs_b, vs_t are multiples
 // of 4, else element by element); beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]
 // (16-byte aligned); decay [B, T, Hv]; k_out [B, T, Hk, DK] (a copy of k for advance, 16-byte aligned;
 // nullptr: none). S0 [B, Hv, DK, dv]. The runtime checks every alignment named here.
-template <int DK, int MAXT, int WARPS>
-__device__ __forceinline__ void step(const float* s0, const float* __restrict__ q, const float* __restrict__ k,
+template <int DK, int MAXT, int WARPS, bool REPLAY>
+__device__ __forceinline__ void step(float* s0, const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, long long vs_b, long long vs_t, long long vs_c,
                                      const float* __restrict__ beta, const float* __restrict__ log_decay, int T,
                                      int Hk, int Hv, int dv, float* __restrict__ o, float* __restrict__ u,
                                      float* __restrict__ decay, float* __restrict__ k_out, float* commit,
-                                     const long long* __restrict__ n) {
+                                     const long long* __restrict__ n, const long long* __restrict__ replay_n,
+                                     int* __restrict__ arrive) {
   using L = Layout<WARPS>;
-  constexpr int C4 = L::COLS / 4;  // float4 per value row of the CTA
   extern __shared__ __align__(16) float smem[];
   float* const qs = smem;
   float* const ks = qs + T * DK;
@@ -225,20 +251,21 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
   Col<DK> col;
   col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
   const long long qk0 = (bt * Hk + kh) * DK;          // q / k row of (b, t = 0, kh); rows Hk * DK apart
-  stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
   const int jc = blockIdx.x * L::COLS;  // the CTA's first column
+  // replay: the deferred advance's terms (the previous step's k_out / u / decay, T positions), staged
+  // before anything of this step overwrites them (below: the group's last CTA writes k_out / decay)
+  const int rn = REPLAY ? clamp_steps(replay_n[b], T) : 0;
+  if (REPLAY && rn > 0) {  // (the region's pointers recomputed where used: fewer registers live across the staging)
+    float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
+    float* const up = kp + T * DK;
+    float* const dp = up + T * L::COLS;
+    stage_rows<DK, L::THREADS, 1>({kp}, {k_out + qk0}, (long long)Hk * DK, rn);
+    stage_cols<MAXT, L::THREADS, L::COLS>(up, u + (bt * Hv + h) * dv + jc, (long long)Hv * dv, jc, dv, rn);
+    if (threadIdx.x < rn) dp[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
+  }
+  stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
   if (vs_c == 1 && ((reinterpret_cast<unsigned long long>(v) & 15) | ((vs_b | vs_t) & 3)) == 0) {
-    const float* vb = v + b * vs_b + (long long)h * dv + jc;
-#pragma unroll
-    for (int m = 0; m < (MAXT * C4 + L::THREADS - 1) / L::THREADS; ++m) {
-      const int e = threadIdx.x + m * L::THREADS, t = e / C4, j4 = 4 * (e % C4);
-      if (t < T) {
-        if (jc + j4 < dv)  // dv % 4 == 0: a float4 of columns is all there or all absent
-          copy16(vs + t * L::COLS + j4, vb + t * vs_t + j4);
-        else
-          zero16(vs + t * L::COLS + j4);
-      }
-    }
+    stage_cols<MAXT, L::THREADS, L::COLS>(vs, v + b * vs_b + (long long)h * dv + jc, vs_t, jc, dv, T);
   } else {  // any other v layout: element by element (4 loads in flight: few registers beside the state)
     stage<L::THREADS, 4>(
         T * L::COLS,
@@ -252,11 +279,43 @@ __device__ __forceinline__ void step(const float* s0, const float* __restrict__ 
     const long long at = (bt + threadIdx.x) * Hv + h;
     bs[threadIdx.x] = beta[at];
     ds[threadIdx.x] = expf(log_decay[at]);
-    if (blockIdx.x == 0) decay[at] = ds[threadIdx.x];
+    if (!REPLAY && blockIdx.x == 0) decay[at] = ds[threadIdx.x];
   }
   copy16_wait();
   __syncthreads();
-  if (k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0) {  // from shared memory: no second load
+  if (REPLAY && rn > 0) {  // the deferred advance (advance's update, same order), committed to S0
+    const float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
+    const float* const up = kp + T * DK + (lay.j0 - jc);
+    const float* const dp = kp + T * (DK + L::COLS);
+    for (int t = 0; t < rn; ++t) {
+      const float4 u4 = *reinterpret_cast<const float4*>(up + t * L::COLS);
+      const float ut[CPT] = {u4.x, u4.y, u4.z, u4.w};
+      col.decay(dp[t]);
+      col.add(kp + t * DK, ut, lay.lr);
+    }
+    col.store(s0 + sbase, dv, lay.lr, lay.j0, lay.live);
+  }
+  // Who writes this step's k_out / decay terms: column block 0 (of key head kh's first value head for
+  // k_out). A replaying step (REPLAY: every CTA of key head kh reads the old terms first): the last of the group's gridDim.x x Hv / Hk CTAs to finish its staging, counted on
+  // arrive[b, kh] (left at 0 for the next launch): no CTA overwrites terms another still has to read.
+  bool writes_k = blockIdx.x == 0 && h % (Hv / Hk) == 0, writes_decay = false;
+  if constexpr (REPLAY) {
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+      int* const count = arrive + (long long)b * Hk + kh;
+      last = atomicAdd(count, 1) == (int)gridDim.x * (Hv / Hk) - 1;
+      if (last) *count = 0;
+    }
+    __syncthreads();
+    writes_k = writes_decay = last;
+  }
+  if (REPLAY && writes_decay) {  // the group's value heads, expf as above: the same bits
+    for (int e = threadIdx.x; e < T * (Hv / Hk); e += L::THREADS) {
+      const long long at = (bt + e / (Hv / Hk)) * Hv + kh * (Hv / Hk) + e % (Hv / Hk);
+      decay[at] = expf(log_decay[at]);
+    }
+  }
+  if (k_out != nullptr && writes_k) {  // from shared memory: no second load
     constexpr int V4 = DK / 4, RPR = L::THREADS / V4;  // as stage_rows: float4 i4 of every RPR-th row
     const int i4 = threadIdx.x % V4;
     int t = threadIdx.x / V4;
@@ -299,7 +358,6 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
                                         long long d_l, const long long* __restrict__ n, int B, int T, int Hk,
                                         int Hv, int dv) {
   using L = Layout<WARPS>;
-  constexpr int C4 = L::COLS / 4;
   extern __shared__ __align__(16) float smem[];
   float* const ks = smem;
   float* const us = ks + T * DK;
@@ -317,17 +375,7 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
   decay += layer * d_l;
   stage_rows<DK, L::THREADS, 1>({ks}, {k + (bt * Hk + kh) * DK}, (long long)Hk * DK, steps);
   const int jc = blockIdx.x * L::COLS;
-  const float* ug = u + (bt * Hv + h) * dv + jc;  // (b, t = 0, h, jc); positions Hv * dv apart
-#pragma unroll
-  for (int m = 0; m < (MAXT * C4 + L::THREADS - 1) / L::THREADS; ++m) {  // all loads up front
-    const int e = threadIdx.x + m * L::THREADS, t = e / C4, j4 = 4 * (e % C4);
-    if (t < steps) {
-      if (jc + j4 < dv)
-        copy16(us + t * L::COLS + j4, ug + (long long)t * Hv * dv + j4);
-      else
-        zero16(us + t * L::COLS + j4);
-    }
-  }
+  stage_cols<MAXT, L::THREADS, L::COLS>(us, u + (bt * Hv + h) * dv + jc, (long long)Hv * dv, jc, dv, steps);
   if (threadIdx.x < steps) ds[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
   copy16_wait();
   __syncthreads();
