@@ -339,6 +339,7 @@ class DecodeState:
         None where rollbacks advance at once. A deferred replay kept in terms of another T is applied first
         (the forward's terms reuse those buffers)."""
         if not _gdn_fold() or not self.gdn_index:
+            self.settle()  # (a replay deferred before the fold was switched off: its steps read the state raw)
             return None
         held = self._root._bufs.get("stacked:gdn_u")
         if held is not None and held.shape[2] != t:

@@ -231,6 +231,17 @@ def test_verify_rollback_equals_commit_bitwise(model: TargetModel, fold: str, mo
     assert torch.equal(a.conv_all, b.conv_all) and torch.equal(a.ssm_all, b.ssm_all)
     if fold == "1":
         assert not b.buffer("gdn_replay").any()  # reading ssm_all applied the last round's replay
+        # a rollback deferred, then the fold switched off: the next armed forward still starts from it
+        block = torch.randint(0, CFG.vocab_size, (3, 8), generator=g)
+        n = torch.tensor([2, 7, 4])
+        b.checkpoint(8)
+        model(block, b)
+        b.rollback(b.lengths - 8 + n)
+        model(block, a, num_new=n)
+        monkeypatch.setenv("DFLASHGEN_GDN_FOLD", "0")
+        block = torch.randint(0, CFG.vocab_size, (3, 8), generator=g)
+        b.checkpoint(8)
+        assert torch.equal(model(block, a, num_new=n), model(block, b))
 
 
 def test_request_bits_do_not_depend_on_the_batch() -> None:
