@@ -255,7 +255,7 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   // replay: the deferred advance's terms (the previous step's k_out / u / decay, T positions), staged
   // before anything of this step overwrites them (below: the group's last CTA writes k_out / decay)
   const int rn = REPLAY ? clamp_steps(replay_n[b], T) : 0;
-  if (REPLAY && rn > 0) {  // (the region's pointers recomputed where used: fewer registers live across the staging)
+  if (REPLAY && rn > 0) {  // (the region's pointers recomputed where used: fewer registers live across)
     float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
     float* const up = kp + T * DK;
     float* const dp = up + T * L::COLS;
@@ -296,8 +296,9 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
     col.store(s0 + sbase, dv, lay.lr, lay.j0, lay.live);
   }
   // Who writes this step's k_out / decay terms: column block 0 (of key head kh's first value head for
-  // k_out). A replaying step (REPLAY: every CTA of key head kh reads the old terms first): the last of the group's gridDim.x x Hv / Hk CTAs to finish its staging, counted on
-  // arrive[b, kh] (left at 0 for the next launch): no CTA overwrites terms another still has to read.
+  // k_out). A replaying step (REPLAY: every CTA of key head kh reads the old terms first): the last of
+  // the group's gridDim.x x Hv / Hk CTAs to finish its staging, counted on arrive[b, kh] (left at 0 for
+  // the next launch): no CTA overwrites terms another still has to read.
   bool writes_k = blockIdx.x == 0 && h % (Hv / Hk) == 0, writes_decay = false;
   if constexpr (REPLAY) {
     __shared__ int last;
