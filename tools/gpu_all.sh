@@ -56,7 +56,7 @@ trap pack EXIT
 install_and_build() {  # this checkout importable, and its sm_90 kernels built in parallel now rather
   # one by one on first use; BUILD_ONLY_FILE: a file holding a --only regex (e.g. the table's kernels
   # and the non-GEMM families) when the GEMMs are not what the call tests
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  dfg_install
   local only=(); [ -n "${BUILD_ONLY_FILE:-}" ] && only=(--only "$(cat "$BUILD_ONLY_FILE")")
   dflashgen build --arch 90 -j 16 -q "${only[@]}" 2>&1 | tail -1
 }
@@ -165,7 +165,7 @@ W)
   fi
   rm -f "$R"/swap-* "$R/wgmma_roles_probe" ;;
 R)
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+  dfg_install
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
   # builds only the raced problems' kernels (with --only: the named ones and the table's)
   timeout 540 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1  # and --timeout per problem

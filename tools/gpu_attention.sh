@@ -13,7 +13,7 @@ exec > >(tee -a "$OUT/attention.log") 2>&1
 T0=$SECONDS
 step() { local t=$SECONDS; echo "== $*"; "$@"; local rc=$?; echo "   (rc $rc, $((SECONDS - t)) s)"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 ARCH=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); a = 10 * m + n; \
 print(90 if a >= 90 else 80 if a >= 80 else 70)")
 step dflashgen build --arch "$ARCH" --only dfg_attn -j 16 --no-spills -v -q

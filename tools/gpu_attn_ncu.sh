@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/gpu_env.sh"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 dflashgen build --arch 90 --only dfg_attn -j 16 -q 2>&1 | tail -1
 for k in ${ATTN_KERNELS:-dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds1_sp512 \
   dfg_attn_sm90_h24kv4_d256_q8_fp16_p16_t32_st2_g1_hs1_ds2_sp512}; do

@@ -15,7 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/gpu_env.sh"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 dflashgen build --arch 90 --only '^dfg_attn' -j 16 --no-spills -q 2>&1 | tail -2
 dflashgen build --arch 90 --only '^dfg_attn.*_wg1_' -v -q 2>&1 | grep wg1  # registers / spills per wg kernel
 TP1_RULE=sp512_le2048s64_le8192s128 TP4_RULE=sp256_le2048s32_le4096s64_le8192s128

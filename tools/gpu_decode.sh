@@ -23,7 +23,7 @@ step() {  # step TIMEOUT_S CMD...: run with a timeout, log its output tail and e
   log "   (rc $rc, $((SECONDS - t)) s)"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 # sm_90: the GEMMs the H200 tuning table dispatches + the rejection and gdn families, not all ~300 (any
 # header change re-fingerprints every kernel; a no-op when .build is warm); sm_70: those families'
 # compute_70 PTX (NVRTC 12.9 wheel), JIT-compiled by the driver in the tests.

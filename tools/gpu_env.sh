@@ -6,9 +6,15 @@ export CUDA_CACHE_PATH=$DFLASHGEN_CACHE/cuda-jit CUDA_CACHE_MAXSIZE=4294967296
 if [ -f "$DFLASHGEN_CACHE/build.tar.gz" ]; then
   tar xzf "$DFLASHGEN_CACHE/build.tar.gz" -C "$DFLASHGEN_CACHE" && rm -f "$DFLASHGEN_CACHE/build.tar.gz"
 fi
-if ! python3 -c "import cutlass_library" 2>/dev/null && [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
-  export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
+if ! python3 -c "import cutlass_library" 2>/dev/null; then
+  if [ -d "$DFLASHGEN_CACHE/include/cute" ]; then
+    export DFLASHGEN_CUTLASS_INCLUDE=$DFLASHGEN_CACHE/include
+  else  # every sm_90 build would fail ~10 s in; say so first (session 25 lost three calls to it)
+    echo "ERROR: no CUTLASS headers here and none carried: carry .build (python tools/cutlass_subset.py)" >&2
+  fi
 fi
+# This checkout importable on the GPU machine (no network: no build isolation, no dependency resolution).
+dfg_install() { python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2; }
 
 # The ncu sections every GEMM profile reads, and `ncu_gemms DIR "name_regex@M ..."`: one
 # tools/ncu_kernel.py run per kernel into DIR/ncu-<name>-m<M>.txt, with its headline figures printed;

@@ -8,7 +8,7 @@ R=$(mktemp -d)
 source "$(dirname "$0")/gpu_env.sh"
 trap 'tar czf "$OUT/probe.tgz" -C "$R" .' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/gpu.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 dflashgen build --arch 90 -j "$(nproc)" -q 2>&1 | tail -3
 echo "== overhead"; dflashgen overhead --out "$R/overhead.json" 2>&1 | tee "$R/overhead.txt" | tail -22
 echo "== prefill profile"

@@ -7,7 +7,7 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 R=$(mktemp -d)
 source "$(dirname "$0")/gpu_env.sh"
 trap 'tar czf "$OUT/profile.tgz" -C "$R" .' EXIT
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 dflashgen build --arch 90 -j 16 -q 2>&1 | tail -30
 # KERNELS: "name_regex@M ..." (the GEMM kernels to profile and their batch rows)
 ncu_gemms "$R" "${KERNELS:-nvfp4_silu_n34816_k5120_sk1_wk2_kg64_r8_nt2_wn2_st3_xa1_xs0_mb1@8 \

@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -2
+dfg_install
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 STEPS=${STEPS:-build verify pytest overhead tune bench}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
