@@ -166,7 +166,8 @@ def test_request_bits_alone_equal_in_a_batch_of_8(arch: str | int) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(45, 16, 48, 128, 128), (100, 2, 6, 32, 40),
-                                                         (17, 4, 12, 64, 128)])
+                                                         (17, 4, 12, 64, 128), (16, 2, 6, 32, 40),
+                                                         (32, 16, 48, 128, 128), (1, 2, 6, 32, 40)])
 def test_prefill_is_bitwise_one_token_steps(arch: str | int, t: int, hk: int, hv: int, dk: int, dv: int) -> None:
     """The prefill kernel (any T, one launch, commit in place) == T one-position gdn_step launches
     bitwise: outputs at every position and the state after all T; with ragged n (0, 17, T - 3, T) the

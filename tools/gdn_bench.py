@@ -1,11 +1,11 @@
 """Time the gated-delta-rule verify step (the advance, and the step with a folded rollback) at the
-Qwen3.8-27B GDN shapes per batch size:
+Qwen3.8-27B GDN shapes per batch size, and (``--prefill``) one request's prefill of that many positions:
 T = 8 positions, 16 key / 48 value heads, dk = dv = 128, FP32 state. CUDA-graph replays of 20 launches,
 CUDA events, median of 15 replays; also the bytes of state the step reads and what that costs at
 the measured read bandwidth, so `us` can be read against a floor. Run under ncu with
 ``-k regex:dfg_sm90_gdn --launch-skip 2 --launch-count 1 python3 tools/gdn_bench.py --batches 8``.
 
-    python3 tools/gdn_bench.py [--batches 1 2 4 8] [--json PATH]
+    python3 tools/gdn_bench.py [--batches 1 2 4 8] [--prefill 1023] [--json PATH]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import statistics
 
 import torch
-from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_step
+from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_prefill, gdn_step
 
 from dflashgen.gdn_family import COLS
 
@@ -71,9 +71,22 @@ def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, flo
             "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": -(-DV // COLS) * HV * b}
 
 
+def time_prefill(t: int, dev: torch.device, gen: torch.Generator) -> dict[str, float]:
+    """One request's prefill of t positions (the state committed in place), per GDN layer (us)."""
+    s = torch.randn(1, HV, DK, DV, device=dev, generator=gen) * 0.1
+    q, k = (torch.randn(1, t, HK, DK, device=dev, generator=gen) * 0.1 for _ in range(2))
+    v = torch.randn(1, t, HV, DV, device=dev, generator=gen)
+    beta = torch.rand(1, t, HV, device=dev, generator=gen)
+    log_decay = -torch.rand(1, t, HV, device=dev, generator=gen)
+    o = torch.empty(1, t, HV, DV, device=dev)
+    us = _graph_us(lambda: gdn_prefill(s, q, k, v, beta, log_decay, o=o), reps=5, samples=9)
+    return {"T": t, "prefill_us": round(us, 1), "us_per_position": round(us / t, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prefill lengths to time (B = 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -82,9 +95,13 @@ def main() -> None:
     for b in args.batches:
         rows.append(time_batch(b, dev, gen))
         print(rows[-1], flush=True)
+    prefill = []
+    for t in args.prefill:
+        prefill.append(time_prefill(t, dev, gen))
+        print(prefill[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "T": T, "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "T": T, "rows": rows, "prefill": prefill}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
 #                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first;
-#                                          # GDN=1 times the GDN step / advance (tools/gdn_bench.py)
+#                                          # GDN=1 times the GDN step / advance / 1023-token prefill
+#                                          # (tools/gdn_bench.py); GDN_AB=file.diff times them without
+#                                          # the diff (git apply -R) and with it, alternating twice;
+#                                          # DECODE=0 skips the decode-bench and prefill profile
 #   PART=R ...                             # a race of chosen GEMM kernels against the served ones
 #                                          # (tools/wgmma_race.py: verified first, then timed):
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
@@ -90,8 +93,19 @@ C)
     pack
   fi
   if [ -n "${GDN:-}" ]; then  # GDN=1: the GDN verify step / advance per batch (tools/gdn_bench.py)
-    echo "== gdn-bench"; timeout 120 python3 tools/gdn_bench.py --json "$R/gdn-bench.json" 2>&1 | tail -8
+    echo "== gdn-bench"; timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-bench.json" 2>&1 | tail -8
   fi
+  if [ -n "${GDN_AB:-}" ]; then  # base (the diff reversed) / new, twice; the family rebuilt each way
+    for run in base1 new1 base2 new2; do
+      [ "${run#base}" != "$run" ] && git apply -R "$GDN_AB"
+      dflashgen build --arch 90 -j 16 -q --only gdn 2>&1 | tail -1
+      echo "== gdn-bench $run"
+      timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-$run.json" 2>&1 | tail -5
+      [ "${run#base}" != "$run" ] && git apply "$GDN_AB"
+    done
+    pack
+  fi
+  [ "${DECODE:-1}" = 0 ] && exit 0
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
   CK=$(mktemp -d)/ckpt

@@ -56,6 +56,19 @@ __device__ __forceinline__ void copy16_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
+// Closes this thread's copy16s issued since the last commit into a group; copy16_wait_prior<N> waits
+// until at most N such groups are still in flight (the prefill's double-buffered chunks).
+__device__ __forceinline__ void copy16_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy16_wait_prior() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
 __device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>(smem) = make_float4(0.f, 0.f, 0.f, 0.f); }
 
 // Rows [0, rows) of DK floats each, row t at src + t * stride (16-byte aligned, stride % 4 == 0), into
@@ -109,19 +122,28 @@ struct Col {
   }
   // One position of the delta rule, shared by the step and prefill kernels (same bits): S <- d S,
   // u = beta (v - S^T k), S += k u^T, o = S^T q. k, q: DK-vectors in shared memory; v: this
-  // thread's C columns of the value row.
-  __device__ __forceinline__ void position(float d, float beta, const float* k, const float* q, const float* v,
-                                           int lr, float (&ut)[C], float (&ot)[C]) {
+  // thread's C columns of the value row. Software-pipelined over positions: the q dot of position t
+  // is split into its per-thread part (taken at the end of position t, on S_t before the next decay)
+  // and its butterfly, which runs in position t + 1's enter() beside that position's k-dot butterfly
+  // (two independent chains interleaved, instead of a warp stalled on each in turn). Every operation
+  // and its order per value is unchanged: the bits of decay, dot(k), update, dot(q) in sequence.
+  // enter: S <- d S and kv = S^T k; qp: in, position t - 1's q partial (zeros at the first position),
+  // out, that position's o (all lanes). leave: u, S += k u^T, qp = this position's q partial.
+  __device__ __forceinline__ void enter(float d, const float* k, int lr, float (&kv)[C], float (&qp)[C]) {
     decay(d);
-    float kv[C];
-    dot(k, kv, lr);
+    partial(k, kv, lr);
+    butterfly2(kv, qp);
+  }
+  __device__ __forceinline__ void leave(float beta, const float* k, const float* q, const float* v, int lr,
+                                        const float (&kv)[C], float (&ut)[C], float (&qp)[C]) {
 #pragma unroll
     for (int c = 0; c < C; ++c) ut[c] = __fmul_rn(beta, __fsub_rn(v[c], kv[c]));
     add(k, ut, lr);
-    dot(q, ot, lr);
+    partial(q, qp, lr);
   }
-  // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits).
-  __device__ __forceinline__ void dot(const float* x, float (&out)[C], int lr) const {
+  // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits):
+  // per thread its rows ascending (partial), then the xor butterfly over lr (butterfly).
+  __device__ __forceinline__ void partial(const float* x, float (&out)[C], int lr) const {
 #pragma unroll
     for (int c = 0; c < C; ++c) out[c] = __fmul_rn(x[lr], s[0][c]);
 #pragma unroll
@@ -130,10 +152,26 @@ struct Col {
 #pragma unroll
       for (int c = 0; c < C; ++c) out[c] = __fmaf_rn(k, s[r][c], out[c]);
     }
+  }
+  static __device__ __forceinline__ void butterfly(float (&out)[C]) {
 #pragma unroll
     for (int off = LR / 2; off > 0; off >>= 1)
 #pragma unroll
       for (int c = 0; c < C; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
+  }
+  // two butterflies level by level (each value's additions as in butterfly)
+  static __device__ __forceinline__ void butterfly2(float (&a)[C], float (&b)[C]) {
+#pragma unroll
+    for (int off = LR / 2; off > 0; off >>= 1) {
+      float xa[C], xb[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        xa[c] = __shfl_xor_sync(0xffffffffu, a[c], off * LC);
+        xb[c] = __shfl_xor_sync(0xffffffffu, b[c], off * LC);
+      }
+#pragma unroll
+      for (int c = 0; c < C; ++c) a[c] = __fadd_rn(a[c], xa[c]), b[c] = __fadd_rn(b[c], xb[c]);
+    }
   }
   __device__ __forceinline__ void load(const float* S, int dv, int lr, int j0, bool live) {
 #pragma unroll
@@ -331,17 +369,24 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
   const int jl = lay.j0 - jc;
   const long long ou = (bt * Hv + h) * dv + lay.j0;  // o / u offset of (b, t, h, j0), advancing by Hv * dv
-  for (int t = 0; t < T; ++t) {
-    float ut[CPT], ot[CPT];
+  float qp[CPT] = {};  // the pipelined q dot (Col::enter / leave): o_t is stored at position t + 1
+  const bool writes = lay.live && lay.lr == 0;
+  const long long pos = (long long)Hv * dv;  // o / u elements from one position to the next
+  long long at = ou;  // position t's o / u offset
+  for (int t = 0; t < T; ++t, at += pos) {
+    float kv[CPT], ut[CPT];
+    col.enter(ds[t], ks + t * DK, lay.lr, kv, qp);
+    if (t > 0 && writes) *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
     const float4 v4 = *reinterpret_cast<const float4*>(vs + t * L::COLS + jl);
     const float vt[CPT] = {v4.x, v4.y, v4.z, v4.w};
-    col.position(ds[t], bs[t], ks + t * DK, qs + t * DK, vt, lay.lr, ut, ot);
-    if (lay.live && lay.lr == 0) {
-      const long long at = ou + (long long)t * (Hv * dv);
-      *reinterpret_cast<float4*>(o + at) = make_float4(ot[0], ot[1], ot[2], ot[3]);
-      *reinterpret_cast<float4*>(u + at) = make_float4(ut[0], ut[1], ut[2], ut[3]);
-    }
+    col.leave(bs[t], ks + t * DK, qs + t * DK, vt, lay.lr, kv, ut, qp);
+    if (writes) *reinterpret_cast<float4*>(u + at) = make_float4(ut[0], ut[1], ut[2], ut[3]);
     if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
+  }
+  if (T > 0) {
+    Col<DK>::butterfly(qp);
+    if (lay.live && lay.lr == 0)
+      *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
   }
 }
 
@@ -391,11 +436,13 @@ __device__ __forceinline__ void advance(float* s, long long s_l, const float* __
 }
 
 // prefill: the step's recurrence over any T in one launch, commit only (a prefill that is not armed for
-// rollback): no u / decay outputs. Positions are staged CHUNK at a time (q / k as float4: the runtime
-// checks q and k are 16-byte aligned), each one through the same Col update / dot as step, so the
-// state and outputs are bitwise those of T one-position steps. S [B, Hv, DK, dv] is read and
-// updated in place: the state after n[b] positions (n = nullptr: all T; n[b] <= 0: S untouched).
-// Inputs and o as for step. grid (ceil(dv / COLS), Hv, B).
+// rollback): no u / decay outputs. Positions are staged CHUNK at a time into one of two buffers while
+// the other's positions run: q / k by 16-byte async copies (sm_80+; the runtime checks q and k are
+// 16-byte aligned), the values, betas and log decays loaded into registers at the same time and
+// stored (decays as expf) once this chunk's positions are done. Each position goes through the same
+// Col update / dots as step, so the state and outputs are bitwise those of T one-position steps.
+// S [B, Hv, DK, dv] is read and updated in place: the state after n[b] positions (n = nullptr: all T;
+// n[b] <= 0: S untouched). Inputs and o as for step. grid (ceil(dv / COLS), Hv, B).
 template <int DK, int CHUNK, int WARPS, int C = CPT>
 __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, const float* __restrict__ k,
                                         const float* __restrict__ v, long long vs_b, long long vs_t,
@@ -406,13 +453,11 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
   constexpr int V4 = DK / 4;                      // float4 per (position, key head)
   constexpr int QK4 = CHUNK * V4 / L::THREADS;    // float4 of q (and of k) per thread per chunk
   constexpr int VS = CHUNK * L::COLS / L::THREADS;  // values per thread per chunk
-  constexpr int G = QK4 < 4 ? QK4 : 4;              // float4 of q (and of k) in flight per round
-  static_assert(CHUNK * V4 % L::THREADS == 0 && QK4 % G == 0 && CHUNK * L::COLS % L::THREADS == 0 &&
-                CHUNK <= L::THREADS,
+  static_assert(CHUNK * V4 % L::THREADS == 0 && CHUNK * L::COLS % L::THREADS == 0 && CHUNK <= L::THREADS,
                 "the staging loops assume whole rounds over the CTA");
-  __shared__ __align__(16) float qs[CHUNK][DK];
-  __shared__ __align__(16) float ks[CHUNK][DK];
-  __shared__ float vs[CHUNK][L::COLS], bs[CHUNK], ds[CHUNK];
+  __shared__ __align__(16) float qs[2][CHUNK][DK];
+  __shared__ __align__(16) float ks[2][CHUNK][DK];
+  __shared__ float vs[2][CHUNK][L::COLS], bs[2][CHUNK], ds[2][CHUNK];
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
   const L lay(dv);
   const long long bt = (long long)b * T;
@@ -421,59 +466,82 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
   Col<DK, C> col;
   col.load(S, dv, lay.lr, lay.j0, lay.live);
   const int jl = lay.j0 - blockIdx.x * L::COLS;
-#pragma unroll 1
-  for (int t0 = 0; t0 < T; t0 += CHUNK) {
+  float vr[VS], br = 0.f, lg = 0.f;  // the next chunk's values, beta and log decay (this thread's)
+  // chunk [t0, t0 + tc) into buffer `buf`: q / k copies issued and committed as one group, the rest
+  // loaded into vr / br / lg (rows past T: zero values, no q / k)
+  auto fetch = [&](int t0, int buf) {
     const int tc = T - t0 < CHUNK ? T - t0 : CHUNK;
-    __syncthreads();  // the previous chunk is consumed
-    // q / k in rounds of G float4 each (loads of a round in flight together, 8 G registers beside the
-    // state); the values, betas and decays ride with the first round
-    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-    for (int m0 = 0; m0 < QK4; m0 += G) {
-      float4 qr[G], kr[G];
-      float vr[VS];
 #pragma unroll
-      for (int m = 0; m < G; ++m) {
-        const int e = threadIdx.x + (m0 + m) * L::THREADS, t = e / V4, i4 = e % V4;
-        const long long at = (((bt + t0 + t) * Hk + kh) * DK) / 4 + i4;
-        qr[m] = t < tc ? reinterpret_cast<const float4*>(q)[at] : z;
-        kr[m] = t < tc ? reinterpret_cast<const float4*>(k)[at] : z;
-      }
-      if (m0 == 0) {
-#pragma unroll
-        for (int m = 0; m < VS; ++m) {
-          const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
-          vr[m] = t < tc && j < dv ? v[b * vs_b + (t0 + t) * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
-        }
-        if (threadIdx.x < tc) {
-          const long long at = (bt + t0 + threadIdx.x) * Hv + h;
-          bs[threadIdx.x] = beta[at];
-          ds[threadIdx.x] = expf(log_decay[at]);
-        }
-#pragma unroll
-        for (int m = 0; m < VS; ++m) {
-          const int e = threadIdx.x + m * L::THREADS;
-          vs[e / L::COLS][e % L::COLS] = vr[m];
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < G; ++m) {
-        const int e = threadIdx.x + (m0 + m) * L::THREADS;
-        reinterpret_cast<float4*>(&qs[0][0])[e] = qr[m];
-        reinterpret_cast<float4*>(&ks[0][0])[e] = kr[m];
+    for (int m = 0; m < QK4; ++m) {
+      const int e = threadIdx.x + m * L::THREADS, t = e / V4, i4 = e % V4;
+      if (t < tc) {
+        const long long at = ((bt + t0 + t) * Hk + kh) * DK + 4 * i4;
+        copy16(&qs[buf][t][4 * i4], q + at);
+        copy16(&ks[buf][t][4 * i4], k + at);
       }
     }
-    __syncthreads();
-#pragma unroll 1
-    for (int tt = 0; tt < tc; ++tt) {  // step's position (o only)
-      float ut[C], ot[C];
-      col.position(ds[tt], bs[tt], ks[tt], qs[tt], &vs[tt][jl], lay.lr, ut, ot);
-      if (lay.live && lay.lr == 0) {
-        const long long at = ((bt + t0 + tt) * Hv + h) * dv + lay.j0;
+    copy16_commit();
 #pragma unroll
-        for (int c = 0; c < C; ++c) o[at + c] = ot[c];
+    for (int m = 0; m < VS; ++m) {
+      const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
+      vr[m] = t < tc && j < dv ? v[b * vs_b + (t0 + t) * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+    }
+    if (threadIdx.x < tc) {
+      const long long at = (bt + t0 + threadIdx.x) * Hv + h;
+      br = beta[at];
+      lg = log_decay[at];
+    }
+  };
+  auto put = [&](int t0, int buf) {
+#pragma unroll
+    for (int m = 0; m < VS; ++m) {
+      const int e = threadIdx.x + m * L::THREADS;
+      vs[buf][e / L::COLS][e % L::COLS] = vr[m];
+    }
+    if (threadIdx.x < T - t0 && threadIdx.x < CHUNK) {
+      bs[buf][threadIdx.x] = br;
+      ds[buf][threadIdx.x] = expf(lg);
+    }
+  };
+  float* o_at = o + ((bt * Hv + h) * dv + lay.j0);  // o of the next position to store; Hv * dv apart
+  const long long o_step = (long long)Hv * dv;
+  float qp[C] = {};  // the pipelined q dot (Col::enter / leave): o_t is stored at position t + 1
+  if (T > 0) fetch(0, 0), put(0, 0);
+#pragma unroll 1
+  for (int t0 = 0, buf = 0; t0 < T; t0 += CHUNK, buf ^= 1) {
+    const int tc = T - t0 < CHUNK ? T - t0 : CHUNK;
+    const bool next = t0 + CHUNK < T;
+    __syncthreads();  // the previous chunk's positions are done with buffer buf ^ 1; put(t0) is visible
+    if (next) {
+      fetch(t0 + CHUNK, buf ^ 1);
+      copy16_wait_prior<1>();  // this chunk's copies have landed (the next one's may still fly)
+    } else {
+      copy16_wait_prior<0>();
+    }
+    __syncthreads();
+    // this buffer's rows, walked by pointer (indexing [buf][tt] re-derived each shared address per position)
+    const float *kt = ks[buf][0], *qt = qs[buf][0], *vt = &vs[buf][0][jl], *bet = bs[buf], *dec = ds[buf];
+#pragma unroll 1
+    for (int tt = 0; tt < tc; ++tt, kt += DK, qt += DK, vt += L::COLS) {  // step's position (o only)
+      float kv[C], ut[C];
+      col.enter(dec[tt], kt, lay.lr, kv, qp);
+      if (t0 + tt > 0) {
+        if (lay.live && lay.lr == 0) {
+#pragma unroll
+          for (int c = 0; c < C; ++c) o_at[c] = qp[c];
+        }
+        o_at += o_step;
       }
+      col.leave(bet[tt], kt, qt, vt, lay.lr, kv, ut, qp);
       if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
+    }
+    if (next) put(t0 + CHUNK, buf ^ 1);
+  }
+  if (T > 0) {
+    Col<DK, C>::butterfly(qp);
+    if (lay.live && lay.lr == 0) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) o_at[c] = qp[c];
     }
   }
 }
