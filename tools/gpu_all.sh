@@ -18,6 +18,7 @@
 #                                          # GDN=1 times the GDN step / advance / 1023-token prefill
 #                                          # (tools/gdn_bench.py); GDN_AB=file.diff times them without
 #                                          # the diff (git apply -R) and with it, alternating twice;
+#                                          # GDN_ENVS="NAME=VALUE ..." once more per setting;
 #                                          # DECODE=0 skips the decode-bench and prefill profile
 #   PART=R ...                             # a race of chosen GEMM kernels against the served ones
 #                                          # (tools/wgmma_race.py: verified first, then timed):
@@ -105,6 +106,10 @@ C)
     done
     pack
   fi
+  for spec in ${GDN_ENVS:-}; do  # GDN_ENVS="NAME=VALUE ...": gdn-bench once more per setting
+    echo "== gdn-bench $spec"
+    env "$spec" timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-${spec//=/-}.json" 2>&1 | tail -5
+  done
   [ "${DECODE:-1}" = 0 ] && exit 0
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
