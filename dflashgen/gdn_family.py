@@ -7,9 +7,9 @@ n[b] positions) and ``<name>_advance`` (the state after n[b] positions from thos
 layer in one launch). Rendered from ``templates/gdn.cu.j2``; the logic lives in
 ``templates/include/dflashgen/gdn.cuh``; ``runtime/gdn_kernel.py`` launches them and holds the torch
 reference. Names encode every parameter: ``dfg_sm90_gdn_dk128_t16_r16_c4_w4_mb8_dyn`` (``mb8``: at
-least 8 CTAs of 128 threads per SM, i.e. at most 64 registers; ``dyn``: dynamic shared memory sized for the launch's
-T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and q / k / u staged
-as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
+least 8 CTAs of 128 threads per SM, i.e. at most 64 registers, 7 on sm_70; ``dyn``: dynamic shared memory
+sized for the launch's T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and
+q / k / u staged as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
 
 Plus one glue kernel pair per arch, ``templates/gdn_io.cu.j2`` (``dfg_sm90_gdnio_w4_d256``, manifest
 ``mode: "io"``; logic in ``templates/include/dflashgen/gdn_io.cuh``): ``<name>`` (inputs: the causal
@@ -18,8 +18,9 @@ conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per posit
 launches per layer; dims at run time, head dims up to 256.
 
 Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2``
-(``dfg_sm90_gdnpf_dk128_s16_r16_c4_w2_mb8``, manifest ``mode: "prefill"``): the same position body
-over any T in one launch (positions staged 16 at a time), committing the state after n[b] positions
+(``dfg_sm90_gdnpf_dk128_s16_r16_c2_w4_mb4``, manifest ``mode: "prefill"``): the same position body
+over any T in one launch (positions staged 16 at a time into two buffers, the next chunk's q / k
+copied while this one's positions run), committing the state after n[b] positions
 in place, outputs o only -- a prefill that is not armed for rollback, bitwise T one-token steps.
 """
 
@@ -49,6 +50,9 @@ MIN_BLOCKS = 8
 # the step / advance pair: 8 CTAs of 4 warps per SM cap ptxas at 64 registers (state 32 + the position's
 # temporaries fit without spills once q / k staging holds no registers): 32 warps resident
 STEP_MIN_BLOCKS = 8
+# sm_70: its ptxas (NVRTC 12 -> compute_70 -> sm_70) spilled 4 B of the step at 64 registers once the
+# reductions scattered (Col::scatter2); 7 CTAs per SM give it 72
+STEP_MIN_BLOCKS_SM70 = 7
 REPLAY_MIN_BLOCKS = 7  # the replaying step (`_replay`): its extra staging spilled at 64 registers
 COLS = WARPS * 2 * COLS_PER_THREAD
 PREFILL_CHUNK = 16  # prefill positions staged in shared memory per pass (the step's footprint)
@@ -82,8 +86,13 @@ def advance_smem_per_t(dk: int) -> int:
     return 4 * (dk + COLS + 1)
 
 
+def step_min_blocks(arch: int) -> int:
+    return STEP_MIN_BLOCKS_SM70 if arch < 80 else STEP_MIN_BLOCKS
+
+
 def kernel_name(arch: int, dk: int) -> str:
-    return f"dfg_sm{arch}_gdn_dk{dk}_t{MAX_T}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{STEP_MIN_BLOCKS}_dyn"
+    return (f"dfg_sm{arch}_gdn_dk{dk}_t{MAX_T}_r{ROW_LANES}_c{COLS_PER_THREAD}_w{WARPS}_mb{step_min_blocks(arch)}"
+            "_dyn")
 
 
 def prefill_kernel_name(arch: int, dk: int) -> str:
@@ -109,7 +118,7 @@ def render_io(arch: int) -> str:
 def render(arch: int, dk: int) -> str:
     return _env().get_template("gdn.cu.j2").render(
         version=__version__, name=kernel_name(arch, dk), arch=arch, dk=dk, maxt=MAX_T, warps=WARPS,
-        threads=THREADS, cols=COLS, min_blocks=STEP_MIN_BLOCKS, replay_min_blocks=REPLAY_MIN_BLOCKS,
+        threads=THREADS, cols=COLS, min_blocks=step_min_blocks(arch), replay_min_blocks=REPLAY_MIN_BLOCKS,
         step_smem_per_t=step_smem_per_t(dk),
         advance_smem_per_t=advance_smem_per_t(dk))
 

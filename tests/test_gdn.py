@@ -72,10 +72,11 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     again = {k.name: k.source for k in family_kernels("gdn")}
     for k in ks:
         assert again[k.name] == k.source  # deterministic
-        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w4_mb8_dyn"  # every parameter in the name
+        mb = 7 if k.arch < 80 else 8  # sm_70's step: 72 registers (its ptxas spilled at 64)
+        assert k.name == f"dfg_sm{k.arch}_gdn_dk{k.meta['dk']}_t16_r16_c4_w4_mb{mb}_dyn"  # every parameter in the name
         dk = k.meta["dk"]  # dynamic shared memory per position: q, k rows, 32 values, beta, decay / k, u, decay
         assert (k.meta["smem_per_t"], k.meta["advance_smem_per_t"]) == (4 * (2 * dk + 34), 4 * (dk + 33))
-        assert "__launch_bounds__(128, 8)" in k.source and "__launch_bounds__(128, 7)" in k.source  # _replay: 7
+        assert f"__launch_bounds__(128, {mb})" in k.source and "__launch_bounds__(128, 7)" in k.source  # _replay: 7
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn.cuh>" in k.source
         assert f"{k.name}(" in k.source and f"{k.name}_advance(" in k.source and f"{k.name}_replay(" in k.source
         # the specialisations only; logic in the header

@@ -12,7 +12,8 @@
 // expf): lane = 2 * lr + lc, lr in [0, 16) splits the DK rows, lc in [0, 2) the columns. A thread
 // holds rows i = lr + 16 r (r < DK / 16) of columns j = col0 + 8 w + 4 lc + c (c < 4). A dot product
 // over DK: per thread p = fma(x_r, s_r, ... fma(x_1, s_1, x_0 s_0)) (r ascending), then an xor
-// butterfly over lr (lane offsets 16, 8, 4, 2): a fixed order for any T, batch or grid.
+// butterfly over lr (lane offsets 16, 8, 4, 2): a fixed order for any T, batch or grid. (The step and
+// prefill reduce-scatter it, Col::scatter2: the butterfly's additions, each lane keeping one column.)
 // Explicit roundings only (__fmul_rn / __fadd_rn / __fmaf_rn, never a compiler contraction): the dots
 // and the rank-1 update S += k u^T are fused multiply-adds (one rounding each: fewer instructions
 // than a mul and an add, and more accurate), the decay and u = beta (v - S^T k) plain products; the
@@ -121,25 +122,65 @@ struct Col {
     }
   }
   // One position of the delta rule, shared by the step and prefill kernels (same bits): S <- d S,
-  // u = beta (v - S^T k), S += k u^T, o = S^T q. k, q: DK-vectors in shared memory; v: this
-  // thread's C columns of the value row. Software-pipelined over positions: the q dot of position t
-  // is split into its per-thread part (taken at the end of position t, on S_t before the next decay)
-  // and its butterfly, which runs in position t + 1's enter() beside that position's k-dot butterfly
-  // (two independent chains interleaved, instead of a warp stalled on each in turn). Every operation
-  // and its order per value is unchanged: the bits of decay, dot(k), update, dot(q) in sequence.
-  // enter: S <- d S and kv = S^T k; qp: in, position t - 1's q partial (zeros at the first position),
-  // out, that position's o (all lanes). leave: u, S += k u^T, qp = this position's q partial.
+  // u = beta (v - S^T k), S += k u^T, o = S^T q. k, q: DK-vectors in shared memory. Software-pipelined
+  // over positions: the q dot of position t is split into its per-thread part (taken at the end of
+  // position t, on S_t before the next decay) and its reduction over the lr lanes, which runs in
+  // position t + 1's enter() beside that position's k-dot reduction (two independent chains
+  // interleaved, instead of a warp stalled on each in turn). The reductions scatter (scatter2): lane
+  // lr ends with the sums of its own column own(lr) only, so u is computed once per column and
+  // broadcast to the C slots every lane's rank-1 update needs. Every operation and its order per value
+  // is that of decay, dot(k), u, update, dot(q) in sequence with full xor butterflies: the same bits.
+  // enter: S <- d S and kv[0] = (S^T k)[own]; qp: in, position t - 1's q partials (zeros at the first
+  // position), out, qp[0] = that position's o[own]. leave: v = this thread's own value; returns
+  // u[own]; S += k u^T; qp = this position's q partials.
   __device__ __forceinline__ void enter(float d, const float* k, int lr, float (&kv)[C], float (&qp)[C]) {
     decay(d);
     partial(k, kv, lr);
-    butterfly2(kv, qp);
+    scatter2(kv, qp, lr);
   }
-  __device__ __forceinline__ void leave(float beta, const float* k, const float* q, const float* v, int lr,
-                                        const float (&kv)[C], float (&ut)[C], float (&qp)[C]) {
+  __device__ __forceinline__ float leave(float beta, const float* k, const float* q, float v, int lr,
+                                         const float (&kv)[C], float (&qp)[C]) {
+    const float uo = __fmul_rn(beta, __fsub_rn(v, kv[0]));
+    float ut[C];
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int c = 0; c < C; ++c) ut[c] = __fmul_rn(beta, __fsub_rn(v[c], kv[c]));
+    for (int c = 0; c < C; ++c)  // column c's u from a lane that owns it (same lc, same low lr bits)
+      ut[c] = __shfl_sync(0xffffffffu, uo, (lane & ~OWN_MASK) | (c << OWN_SHIFT));
     add(k, ut, lr);
     partial(q, qp, lr);
+    return uo;
+  }
+  // the column whose reduced sums lane lr holds after scatter2 (lr's top log2(C) bits), and where
+  // those bits sit in the lane index (lane = LC lr + lc)
+  static constexpr int OWN_SPAN = LR / C, OWN_SHIFT = (OWN_SPAN == 4 ? 2 : 3) + 1, OWN_MASK = (C - 1) << OWN_SHIFT;
+  static_assert(OWN_SPAN == 4 || OWN_SPAN == 8, "C = 4 or 2 of LR = 16 row lanes");
+  static __device__ __forceinline__ int own(int lr) { return lr / OWN_SPAN; }
+  static __device__ __forceinline__ bool stores(int lr) { return lr % OWN_SPAN == 0; }  // one lane per column
+  // Reduce-scatter of two partial-sum sets over the lr lanes, level for level and pair for pair the
+  // xor butterfly's additions (mine + partner's, offsets LR / 2 .. 1): while a lane holds w > 1
+  // columns, the level keeps the half selected by its lr bit (the partner, across that bit, keeps the
+  // other) and adds the partner's copy of it; with one column left, a plain butterfly step. Ends with
+  // column own(lr)'s sums in a[0] / b[0], the bits every lane of the butterfly would hold.
+  static __device__ __forceinline__ void scatter2(float (&a)[C], float (&b)[C], int lr) {
+#pragma unroll
+    for (int level = 0, off = LR / 2; off > 0; ++level, off >>= 1) {
+      const int w = C >> level;  // columns still held (>= 1)
+      if (w > 1) {
+        const bool hi = (lr & off) != 0;
+#pragma unroll
+        for (int i = 0; i < w / 2; ++i) {
+          const float sa = hi ? a[i] : a[i + w / 2], sb = hi ? b[i] : b[i + w / 2];
+          const float ka = hi ? a[i + w / 2] : a[i], kb = hi ? b[i + w / 2] : b[i];
+          const float ra = __shfl_xor_sync(0xffffffffu, sa, off * LC), rb = __shfl_xor_sync(0xffffffffu, sb, off * LC);
+          a[i] = __fadd_rn(ka, ra);
+          b[i] = __fadd_rn(kb, rb);
+        }
+      } else {
+        const float ra = __shfl_xor_sync(0xffffffffu, a[0], off * LC), rb = __shfl_xor_sync(0xffffffffu, b[0], off * LC);
+        a[0] = __fadd_rn(a[0], ra);
+        b[0] = __fadd_rn(b[0], rb);
+      }
+    }
   }
   // out[c] = sum_i x[i] S[i, c] in the fixed order (every lr lane of the warp gets the same bits):
   // per thread its rows ascending (partial), then the xor butterfly over lr (butterfly).
@@ -158,20 +199,6 @@ struct Col {
     for (int off = LR / 2; off > 0; off >>= 1)
 #pragma unroll
       for (int c = 0; c < C; ++c) out[c] = __fadd_rn(out[c], __shfl_xor_sync(0xffffffffu, out[c], off * LC));
-  }
-  // two butterflies level by level (each value's additions as in butterfly)
-  static __device__ __forceinline__ void butterfly2(float (&a)[C], float (&b)[C]) {
-#pragma unroll
-    for (int off = LR / 2; off > 0; off >>= 1) {
-      float xa[C], xb[C];
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        xa[c] = __shfl_xor_sync(0xffffffffu, a[c], off * LC);
-        xb[c] = __shfl_xor_sync(0xffffffffu, b[c], off * LC);
-      }
-#pragma unroll
-      for (int c = 0; c < C; ++c) a[c] = __fadd_rn(a[c], xa[c]), b[c] = __fadd_rn(b[c], xb[c]);
-    }
   }
   __device__ __forceinline__ void load(const float* S, int dv, int lr, int j0, bool live) {
 #pragma unroll
@@ -370,20 +397,19 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   const int jl = lay.j0 - jc;
   const long long ou = (bt * Hv + h) * dv + lay.j0;  // o / u offset of (b, t, h, j0), advancing by Hv * dv
   float qp[CPT] = {};  // the pipelined q dot (Col::enter / leave): o_t is stored at position t + 1
-  const bool writes = lay.live && lay.lr == 0;
+  const int own = Col<DK>::own(lay.lr);  // the column this lane's reduced o / u belong to
+  const bool writes = lay.live && Col<DK>::stores(lay.lr);
   const long long pos = (long long)Hv * dv;  // o / u elements from one position to the next
-  long long at = ou;  // position t's o / u offset
+  long long at = ou + own;  // position t's o / u element of that column
   for (int t = 0; t < T; ++t, at += pos) {
-    float kv[CPT], ut[CPT];
+    float kv[CPT];
     col.enter(ds[t], ks + t * DK, lay.lr, kv, qp);
-    if (t > 0 && writes) *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
-    const float4 v4 = *reinterpret_cast<const float4*>(vs + t * L::COLS + jl);
-    const float vt[CPT] = {v4.x, v4.y, v4.z, v4.w};
-    col.leave(bs[t], ks + t * DK, qs + t * DK, vt, lay.lr, kv, ut, qp);
-    if (writes) *reinterpret_cast<float4*>(u + at) = make_float4(ut[0], ut[1], ut[2], ut[3]);
+    if (t > 0 && writes) o[at - pos] = qp[0];
+    const float uo = col.leave(bs[t], ks + t * DK, qs + t * DK, vs[t * L::COLS + jl + own], lay.lr, kv, qp);
+    if (writes) u[at] = uo;
     if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
   }
-  if (T > 0) {
+  if (T > 0) {  // the last position's q dot: a full butterfly (the same additions), lr = 0 stores
     Col<DK>::butterfly(qp);
     if (lay.live && lay.lr == 0)
       *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
@@ -503,7 +529,9 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
       ds[buf][threadIdx.x] = expf(lg);
     }
   };
-  float* o_at = o + ((bt * Hv + h) * dv + lay.j0);  // o of the next position to store; Hv * dv apart
+  const int own = Col<DK, C>::own(lay.lr);  // the column this lane's reduced o belongs to
+  const bool writes = lay.live && Col<DK, C>::stores(lay.lr);
+  float* o_at = o + ((bt * Hv + h) * dv + lay.j0 + own);  // o of the next position to store; Hv * dv apart
   const long long o_step = (long long)Hv * dv;
   float qp[C] = {};  // the pipelined q dot (Col::enter / leave): o_t is stored at position t + 1
   if (T > 0) fetch(0, 0), put(0, 0);
@@ -523,22 +551,19 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
     const float *kt = ks[buf][0], *qt = qs[buf][0], *vt = &vs[buf][0][jl], *bet = bs[buf], *dec = ds[buf];
 #pragma unroll 1
     for (int tt = 0; tt < tc; ++tt, kt += DK, qt += DK, vt += L::COLS) {  // step's position (o only)
-      float kv[C], ut[C];
+      float kv[C];
       col.enter(dec[tt], kt, lay.lr, kv, qp);
       if (t0 + tt > 0) {
-        if (lay.live && lay.lr == 0) {
-#pragma unroll
-          for (int c = 0; c < C; ++c) o_at[c] = qp[c];
-        }
+        if (writes) *o_at = qp[0];
         o_at += o_step;
       }
-      col.leave(bet[tt], kt, qt, vt, lay.lr, kv, ut, qp);
+      col.leave(bet[tt], kt, qt, vt[own], lay.lr, kv, qp);
       if (t0 + tt + 1 == keep) col.store(S, dv, lay.lr, lay.j0, lay.live);
     }
     if (next) put(t0 + CHUNK, buf ^ 1);
   }
   if (T > 0) {
-    Col<DK, C>::butterfly(qp);
+    Col<DK, C>::butterfly(qp);  // the last position's q dot: a full butterfly, lr = 0 stores (own = 0)
     if (lay.live && lay.lr == 0) {
 #pragma unroll
       for (int c = 0; c < C; ++c) o_at[c] = qp[c];
