@@ -31,6 +31,8 @@
 //         positions: step's position body over CHUNK-position stagings, bitwise T one-position steps.
 #pragma once
 
+#include <dflashgen/decode.cuh>  // cp_async_commit / cp_async_wait
+
 namespace dflashgen {
 namespace gdn {
 
@@ -55,19 +57,6 @@ __device__ __forceinline__ void copy16(float* smem, const float* gmem) {
 __device__ __forceinline__ void copy16_wait() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-// Closes this thread's copy16s issued since the last commit into a group; copy16_wait_prior<N> waits
-// until at most N such groups are still in flight (the prefill's double-buffered chunks).
-__device__ __forceinline__ void copy16_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void copy16_wait_prior() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 __device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>(smem) = make_float4(0.f, 0.f, 0.f, 0.f); }
@@ -506,7 +495,7 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
         copy16(&ks[buf][t][4 * i4], k + at);
       }
     }
-    copy16_commit();
+    cp_async_commit();  // (decode.cuh: a commit group of this thread's copy16s)
 #pragma unroll
     for (int m = 0; m < VS; ++m) {
       const int e = threadIdx.x + m * L::THREADS, t = e / L::COLS, j = blockIdx.x * L::COLS + e % L::COLS;
@@ -542,9 +531,9 @@ __device__ __forceinline__ void prefill(float* s, const float* __restrict__ q, c
     __syncthreads();  // the previous chunk's positions are done with buffer buf ^ 1; put(t0) is visible
     if (next) {
       fetch(t0 + CHUNK, buf ^ 1);
-      copy16_wait_prior<1>();  // this chunk's copies have landed (the next one's may still fly)
+      cp_async_wait<1>();  // this chunk's copies have landed (the next one's may still fly)
     } else {
-      copy16_wait_prior<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     // this buffer's rows, walked by pointer (indexing [buf][tt] re-derived each shared address per position)
