@@ -13,6 +13,7 @@
 #                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
+#                                          # (TESTS_TIMEOUT=s: their limit, default 240 s);
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
 #                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first;
 #                                          # GDN=1 times the GDN step / advance / 1023-token prefill
@@ -52,7 +53,7 @@ pack() { tar czf "$OUT/results-$PART.tgz" -C "$R" . ; }
 gpu_tests() {  # TESTS="tests/..." (tests: all of them) under a $1-second limit, then pack what is done
   [ -n "${TESTS:-}" ] || return 0
   echo "== pytest -m gpu $TESTS"
-  timeout "$1" python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-$1}" python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider -rfE > "$R/pytest-gpu.log" 2>&1
   tail -3 "$R/pytest-gpu.log"
   pack
 }
