@@ -120,6 +120,11 @@ class Tile:
     # 1: a wgc tile without weight warps whose consumer warps copy their own tile's words into the
     # weight ring (cp.async, waited per thread: no full / empty barriers; names `_wsf1`)
     w_self: int = 0
+    # P > 0: a w_self tile of a one-split plan on P CTAs (grid y; the space's SM count; names `_ps<P>`):
+    # CTA c walks column block c whole, then one K worker of a column block past P (the blocks a grid of
+    # one CTA per block runs as a second, mostly empty wave), whose workers' sums meet through FP32
+    # partials in worker order (the plan's fold: its bits). For N tilings of > P blocks, <= 2 P / workers
+    persist: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,9 @@ class KernelSpec:
     @property
     def ctas_k(self) -> int:
         """CTAs along K (grid z, partial slots): split_k, times warps_k for a wsplit tile; 1 for a
-        serial tile (one CTA walks every worker)."""
+        serial tile (one CTA walks every worker); a persist tile's partial slots: its K workers."""
+        if self.tile.persist:
+            return self.kplan.split_k * self.kplan.warps_k
         if self.tile.serial:
             return self.kplan.split_k if self.tile.z_split else 1
         return self.kplan.split_k * (self.kplan.warps_k if self.tile.wsplit else 1)
@@ -195,7 +202,8 @@ class KernelSpec:
                 f"{'_ws1' if t.wsplit else ''}{'_wa1' if t.w_async else ''}{'_pf1' if t.l2_ahead else ''}"
                 f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
                 f"{f'_xr{t.x_ring}' if t.wgc else ''}{f'_ww{t.w_warps}' if t.w_warps > 1 else ''}"
-                f"{'_zs1' if t.z_split else ''}{'_wsf1' if t.w_self else ''}_mb{t.min_blocks}")
+                f"{'_zs1' if t.z_split else ''}{'_wsf1' if t.w_self else ''}{f'_ps{t.persist}' if t.persist else ''}"
+                f"_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -203,6 +211,8 @@ class KernelSpec:
         return f"sm{self.arch}/{self.fmt}/{self.epilogue}/n{self.n}/k{self.k}"
 
     def grid(self, m: int) -> tuple[int, int, int]:
+        if self.tile.persist:  # P CTAs, the rest column blocks' K workers spread over them (grid z 1)
+            return (math.ceil(m / self.tile.rows), self.tile.persist, 1)
         tiles = self.layout.n_pad // self.layout.tile_rows
         per_cta = self.tile.warp_nt * self.tile.warps_n
         return (math.ceil(m / self.tile.rows), math.ceil(tiles / per_cta), self.ctas_k)
@@ -274,7 +284,7 @@ class KernelSpec:
         # Optional tile fields are written only when set, so the entries of tiles that predate a field
         # keep their form (and the library hash its value) when the field is added.
         for f in ("wsplit", "w_async", "l2_ahead", "serial", "producer", "wgc", "x_ring", "w_warps", "z_split",
-                  "w_self"):
+                  "w_self", "persist"):
             if not tile[f]:
                 del tile[f]
         d = {
@@ -286,6 +296,8 @@ class KernelSpec:
         }
         if self.tile.wsplit or self.tile.serial:
             d["ctas_k"] = self.ctas_k  # grid z and partial slots (the runtime's split count)
+        if self.tile.persist:
+            d["grid_y"], d["grid_z"] = self.tile.persist, 1  # (ctas_k: the partial slots, not grid z)
         if self.smem_dynamic:
             d["smem_dynamic"] = True
         if self.kplan.wgmma or self.tile.wgc:
@@ -441,6 +453,14 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         return "w_self: a wgc tile whose consumers copy their own weights (no weight warps, no L2 prefetch)"
     if t.z_split and (not t.wgc or spec.kplan.split_k < 2):
         return "z_split: a wgc tile of a split-K plan (one CTA per split)"
+    if t.persist:
+        workers = spec.kplan.split_k * spec.kplan.warps_k
+        blocks = -(-tiles // (t.warps_n * t.warp_nt))
+        if not (t.w_self and not t.z_split and spec.kplan.split_k == 1 and workers >= 2 and groups % workers == 0):
+            return "persist: a w_self wgc tile of a one-split plan of >= 2 K workers dividing its K groups"
+        if not 0 < blocks - t.persist <= t.persist // workers:
+            return (f"persist={t.persist}: {blocks} column blocks leave no rest, or more rest K workers than "
+                    "CTAs (one rest item per CTA)")
     if t.w_warps and (not t.wgc or t.warps_n % t.w_warps):
         return f"w_warps={t.w_warps}: the weight warps of a wgc tile, dividing its warps_n={t.warps_n} tiles"
     if t.rows % 8 or t.rows > space.max_m:
@@ -681,6 +701,10 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
             # (wgc_z_split: each wgc shape of a split-K plan also with one CTA per split, `_zs1`)
             zs = wgc and 1 in space.tiles.get("wgc_z_split", [])
             twins = [c, replace(c, tile=replace(tile, z_split=1))] if zs else [c]
+            # (wgc_persist: each w_self shape of a one-split plan also on one CTA per SM, `_ps<sms>`, where
+            # its column blocks overflow the SMs by at most SMs / workers)
+            if wgc and tile.w_self and 1 in space.tiles.get("wgc_persist", []):
+                twins.append(replace(c, tile=replace(tile, persist=space.sms)))
             out.extend(t for t in twins if illegal_reason(t) is None and t not in out)
     return out
 

@@ -120,7 +120,9 @@ class GemmKernel:
         self.layout = Layout(self.arch, self.fmt, self.n, self.k, self.silu)
         tiles = self.n_pad // self.layout.tile_rows
         per_cta = entry["tile"]["warp_nt"] * entry["tile"]["warps_n"]
-        self._grid_y = -(-tiles // per_cta)
+        # (a persist tile: its CTA count, and grid z 1 beside its partial slots)
+        self._grid_y: int = entry.get("grid_y", -(-tiles // per_cta))
+        self._grid_z: int = entry.get("grid_z", self.split_k)
         self.device = torch.device("cuda", device.index or 0) if device.type == "cuda" else device
         self.image_path = image_path
         self._fn: Function | None = None
@@ -339,7 +341,7 @@ class GemmLaunch:
         # x, M, weights, scales, col_scale, out, partials (unused without split-K) [, tickets],
         # L2 prefetch groups
         params = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * (6 if self._split else 5), ctypes.c_int]
-        self._main = LaunchArgs(fn, (1, kern._grid_y, kern.split_k), (kern.threads, 1, 1), ArgPack(params),
+        self._main = LaunchArgs(fn, (1, kern._grid_y, kern._grid_z), (kern.threads, 1, 1), ArgPack(params),
                                 shared=kern.dynamic_smem, pdl=kern.pdl)
 
     def bind(self, w: PackedWeight, m: int, prefetch: int | None = None) -> None:

@@ -749,6 +749,33 @@ def test_wsplit_kernels_launch_a_cta_per_k_worker(monkeypatch, tmp_path) -> None
     assert not opted  # a 24 KB ring is static shared memory
 
 
+def test_persist_kernels_launch_one_cta_per_sm_with_worker_partials(monkeypatch, tmp_path) -> None:
+    """A persist tile (`_ps132`: gate_up's rest column blocks as K workers on 132 CTAs) launches the
+    manifest's grid (row blocks, 132, 1), not one CTA per column block along y and its workers along z,
+    and passes partials for every K worker ([2][M][N_PAD]) and ticket counters (its last worker per rest
+    block sums them)."""
+    from dflashgen.runtime import kernels
+
+    from dflashgen.schedule import candidates
+
+    opted: list[tuple[str, int]] = []
+    rec = _stub_module_loads(monkeypatch, 2, opted)
+    image = tmp_path / "k.cubin"
+    image.write_bytes(b"")
+    spec = next(c for c in candidates(90, "nvfp4", 34816, 5120, silu=True) if c.tile.persist)
+    entry = spec.to_dict()
+    kern = kernels.GemmKernel(entry, image, max_m=64, device=torch.device("cpu"))
+    assert (kern.split_k, kern._grid_y, kern._grid_z) == (2, 132, 1)
+    launch = kernels.GemmLaunch(kern)
+    launch.m = 64
+    launch.launch(11, 12, 7)
+    fn, grid, _, vals = rec.calls[-1]
+    assert fn == 2 and grid == (1, 132, 1)
+    partials, tickets = kern._workspaces[7]
+    assert partials.numel() == 2 * 64 * entry["n_pad"] and vals[6] == partials.data_ptr()
+    assert tickets.numel() == 132 * 12 and vals[7] == tickets.data_ptr() and not tickets.any()
+
+
 def test_pdl_trigger_setting(fake_gpu, monkeypatch) -> None:
     """DFLASHGEN_PDL_TRIGGER=early sets LAUNCH_PDL_EARLY (bit 16) in every sm_90 launch's last
     argument beside the prefetch depth; "end" (the default) and DFLASHGEN_PDL=0 leave it clear; other

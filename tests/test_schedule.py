@@ -518,7 +518,10 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
             assert c.threads == 32 * (c.tile.warps_n + c.tile.producer + ww) and c.target == "90a"
             assert ("_zs1_" in c.name) == bool(c.tile.z_split) and (not c.tile.z_split or c.kplan.split_k > 1)
             z = c.kplan.split_k if c.tile.z_split else 1  # z_split: one CTA per split
-            assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), z) and c.smem_dynamic
+            assert ("_ps" in c.name) == bool(c.tile.persist) and c.smem_dynamic
+            if c.tile.persist:  # (test_persist_tiles_...)
+                continue
+            assert c.grid(64) == (64 // c.tile.rows, -(-c.layout.n_pad // 16 // c.tile.warps_n), z)
             assert c.ctas_k == z and c.workspace_floats(64) == (z * 64 * c.layout.n_pad if z > 1 else 0)
             tiles = c.tile.warps_n
             w_stage, x_stage = tiles * 512 + (tiles * 64 if fmt == "nvfp4" else 0), c.tile.rows * c.kplan.k_group * 2
@@ -527,6 +530,7 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
             d = c.to_dict()
             assert d["tile"]["wgc"] == 1 and d["target"] == "90a" and spec_of(d) == c
     base = next(c for c in candidates(90, "nvfp4", 5120, 17408) if c.tile.wgc and c.kplan.split_k > 1)
+    assert not any(c.tile.persist for c in candidates(90, "nvfp4", 5120, 17408))  # split-K plans: none
     for bad in (dict(producer=0), dict(warps_n=2), dict(warp_nt=2), dict(rows=8), dict(x_ring=1), dict(x_ring=3),
                 dict(w_warps=3)):  # (3 weight warps cannot split 8 warp tiles)
         assert illegal_reason(replace(base, tile=replace(base.tile, **bad))) is not None
@@ -575,3 +579,38 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     cu.write_text(src)
     nvrtc_compile(cu, tmp_path / f"{ww.name}.ptx", "90a")
     assert "wgmma.mma_async" in (tmp_path / f"{ww.name}.ptx").read_text()
+
+
+def test_persist_tiles_run_the_rest_column_blocks_as_k_workers() -> None:
+    """wgc_persist: each w_self wgc shape of a one-split plan also as `_ps<sms>` where its column blocks
+    overflow the SMs by at most SMs / workers (gate_up n34816 at wn12: 182 blocks, 50 rest blocks x 2
+    K workers on 132 CTAs): grid (row blocks, 132, 1), partial slots = the plan's K workers, the same
+    threads and shared memory as its plain twin, PERSIST rendered, the manifest entry carrying the grid
+    for the runtime; illegal for split-K plans, weight-warp tiles, and N tilings with no rest or too much."""
+    from dflashgen.render import render_kernel
+    from dflashgen.tune import spec_of
+
+    sms = load_space(90).sms
+    for fmt in ("nvfp4", "fp8_channel"):
+        cands = candidates(90, fmt, 34816, 5120, silu=True)
+        ps = [c for c in cands if c.tile.persist]
+        assert ps and all(c.tile.persist == sms and c.tile.w_self and c.tile.warps_n == 12 for c in ps)
+        for c in ps:
+            twin = replace(c, tile=replace(c.tile, persist=0))
+            assert twin in cands and c.name == twin.name.replace("_mb", f"_ps{sms}_mb")
+            workers = c.kplan.split_k * c.kplan.warps_k
+            assert c.kplan.split_k == 1 and workers == 2
+            assert c.grid(64) == (1, sms, 1) and c.ctas_k == workers
+            assert c.workspace_floats(64) == workers * 64 * c.layout.n_pad
+            assert (c.threads, c.smem_bytes()) == (twin.threads, twin.smem_bytes())
+            d = c.to_dict()
+            assert (d["grid_y"], d["grid_z"], d["ctas_k"], d["tile"]["persist"]) == (sms, 1, workers, sms)
+            assert spec_of(d) == c and "persist" not in twin.to_dict()["tile"] and "grid_y" not in twin.to_dict()
+            src = render_kernel(c)
+            assert f"static constexpr int PERSIST = {sms};" in src and "unsigned int* __restrict__ tickets" in src
+            assert "PERSIST" not in render_kernel(twin)
+    # qkv n14336 at wn8: 112 column blocks, no rest; split-K plans (n5120) and weight-warp tiles: none
+    assert not any(c.tile.persist for c in candidates(90, "nvfp4", 14336, 5120))
+    c = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.persist)
+    for bad, why in ((dict(persist=100), "rest"), (dict(persist=200), "rest"), (dict(w_self=0), "w_self")):
+        assert why in illegal_reason(replace(c, tile=replace(c.tile, **bad)))

@@ -513,8 +513,8 @@ struct SkinnyGemm {
       // the same outputs (one per CTA of the tile) sums them in split order z = 0..SPLIT_K-1 from
       // 0.0f -- its own read back as well (the bits it stored) -- and runs the epilogue on the sums:
       // the additions and their order of the former separate reduce kernel.
-      store_partials(acc, tile0, m0, M, partial);
-      if (!split_k_last(tickets, wn, lane)) return;
+      store_partials(acc, tile0, m0, M, partial, blockIdx.z);
+      if (!split_k_last(tickets, blockIdx.y, wn, lane)) return;
       // Opaque copies: without them the compiler hoisted the per-element addresses out of the
       // split loop below (r64 wgmma tiles: ~60 more registers).
       int t0 = tile0, r0 = m0;
@@ -530,13 +530,14 @@ struct SkinnyGemm {
     }
   }
 
-  // Split-K: this CTA's sums (rows below M) to its partial slot blockIdx.z ...
+  // Split-K: this CTA's sums (rows below M) to its partial slot (blockIdx.z; a PERSIST tile's rest item:
+  // its K worker) ...
   __device__ __forceinline__ static void store_partials(const float (&acc)[Cfg::WARP_NT][NT8][T::NACC], int tile0,
-                                                        int m0, int M, float* __restrict__ partial) {
+                                                        int m0, int M, float* __restrict__ partial, int slot) {
     each_acc([&](int i, int j, int e) {
       const int m = m0 + 8 * j + T::acc_mrow(e);
       const int lrow = (tile0 + i) * T::TILE_ROWS + T::acc_wrow(e);
-      if (m < M) partial[(static_cast<size_t>(blockIdx.z) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
+      if (m < M) partial[(static_cast<size_t>(slot) * M + m) * Cfg::N_PAD + lrow] = acc[i][j][e];
     });
   }
   // ... and, by the last warp to store (split_k_last), the SPLIT_K slots summed in split order from
@@ -653,7 +654,8 @@ struct SkinnyGemm {
 
   // Split-K: whether this warp is the last of the SPLIT_K warps that hold the same outputs (warp
   // tile wn of row block blockIdx.x and N tile blockIdx.y, one warp per CTA along z) to have
-  // stored its partials, i.e. the one that sums them. Lane 0 takes a ticket from the warp tile's
+  // stored its partials, i.e. the one that sums them (`block`: blockIdx.y, or a PERSIST tile's rest
+  // item's column block among the rest). Lane 0 takes a ticket from the warp tile's
   // counter with atomicInc(counter, SPLIT_K - 1): tickets 0..S-2 count up, the last one (S - 1)
   // wraps the counter back to 0. So every launch leaves every counter at 0: the runtime zeroes
   // them once, when it allocates them, and the next launch on the stream or the next replay of a
@@ -667,12 +669,12 @@ struct SkinnyGemm {
   // wrote them).
   // (S: the warps along K holding the same outputs; a Z_SPLIT producer tile passes its SPLIT_K)
   template <int S = SPLITS>
-  __device__ static bool split_k_last(unsigned int* __restrict__ tickets, int wn, int lane) {
+  __device__ static bool split_k_last(unsigned int* __restrict__ tickets, int block, int wn, int lane) {
     __threadfence();
     __syncwarp();
     unsigned int t = 0;
     if (lane == 0)
-      t = atomicInc(tickets + (blockIdx.y * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, S - 1);
+      t = atomicInc(tickets + (block * gridDim.x + blockIdx.x) * Cfg::WARPS_N + wn, S - 1);
     const bool last = __shfl_sync(0xffffffffu, t, 0) == S - 1;
     if (last) __threadfence();
     return last;

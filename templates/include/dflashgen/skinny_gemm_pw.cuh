@@ -42,6 +42,7 @@ DFLASHGEN_CFG_MEMBER(CfgXRing, X_RING, int, 0)
 DFLASHGEN_CFG_MEMBER(CfgWSelf, W_SELF, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgZSplit, Z_SPLIT, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgWWarps, W_WARPS, int, 1)
+DFLASHGEN_CFG_MEMBER(CfgPersist, PERSIST, int, 0)
 template <class Cfg>
 struct PwBaseCfg : Cfg {
   static constexpr int STAGES = Cfg::STAGES < PAD_GROUPS ? Cfg::STAGES : PAD_GROUPS;
@@ -77,6 +78,20 @@ struct SkinnyGemmPw {
   // 128 rows otherwise)
   static constexpr bool ZS = CfgZSplit<Cfg>::value;
   static_assert(!ZS || (WGC && Cfg::SPLIT_K > 1), "Z_SPLIT: wgc tiles of split-K plans");
+  // WGC PERSIST = P (names `_ps<P>`): P CTAs (grid y; the SMs of the GPU the schedule names) for the
+  // NCB column blocks of WN warp tiles. CTA c walks column block c whole (every K worker, folded in
+  // registers: the plain tile's arithmetic) and then, for c < REST x WORKERS, K worker c % WORKERS of
+  // rest column block P + c / WORKERS (the blocks a grid of one CTA per block would run as a second,
+  // mostly empty wave): those sums go to partial slot c % WORKERS, and the last of the block's WORKERS
+  // warps holding the same outputs adds the slots in worker order (combine_workers: the fold's
+  // additions, so the plan's bits) and runs the epilogue. A warpgroup then walks at most
+  // G + G / WORKERS groups instead of 2 G; its rings run on across the two walks (ring positions
+  // G .. G + LW - 1 are the rest item's groups).
+  static constexpr int PS = CfgPersist<Cfg>::value;
+  static constexpr int NCB = (TILES + WN - 1) / WN, REST = PS > 0 ? NCB - PS : 0, LW = G / WORKERS;
+  static_assert(!PS || (WGC && WSELF && !ZS && Cfg::SPLIT_K == 1 && WORKERS >= 2 && G % WORKERS == 0 && REST > 0 &&
+                        REST * WORKERS <= PS && LW >= ST),
+                "PERSIST: self-copying wgc tiles of a one-split plan of >= 2 K workers, one rest item per CTA");
   // the consumers, the producer warps, and (WGC) the weight warps
   static constexpr int THREADS = 32 * WN + 32 * PW + 32 * WW;
   static_assert(!WGC || (WN % 4 == 0 && NT == 1 && (Cfg::ROWS == 16 || Cfg::ROWS == 32 || Cfg::ROWS == 64)),
@@ -133,8 +148,16 @@ struct SkinnyGemmPw {
 
   // The K groups this CTA walks, [a0, a0 + GN): all of them, or (ZS) split blockIdx.z's workers'. Ring
   // slots and phases count from a0.
+  // (PS: ring positions: the whole block's G groups, then the rest item's LW.)
   __device__ static int split_begin() { return ZS ? blockIdx.z * Cfg::WARPS_K * G / WORKERS : 0; }
-  __device__ static int split_end() { return ZS ? (blockIdx.z + 1) * Cfg::WARPS_K * G / WORKERS : G; }
+  __device__ static int split_end() {
+    if constexpr (PS) return G + (has_rest() ? LW : 0);
+    return ZS ? (blockIdx.z + 1) * Cfg::WARPS_K * G / WORKERS : G;
+  }
+  // PS: whether this CTA has a rest item; its column block among the rest (0 .. REST - 1) and K worker
+  __device__ static bool has_rest() { return static_cast<int>(blockIdx.y) < REST * WORKERS; }
+  __device__ static int rest_block() { return blockIdx.y / WORKERS; }
+  __device__ static int rest_worker() { return blockIdx.y % WORKERS; }
 
   __device__ static void run(const __half* __restrict__ x, int M, const uint4* __restrict__ wq,
                              const void* __restrict__ wscale, const float* __restrict__ col_scale,
@@ -345,12 +368,14 @@ struct SkinnyGemmPw {
     const int xrows = M - m0 - r;
     const __half* src0 = x + static_cast<size_t>(m0 + r) * Cfg::K + 8 * t;
     const int a0 = split_begin(), a1 = split_end();
+    // PS: a rest position's K group minus its position (K worker rest_worker()'s groups from position G)
+    const int roff = PS ? rest_worker() * LW - G : 0;
 #pragma unroll 1
     for (int a = a0 + pw; a < a1; a += PW) {
       const unsigned q = a - a0;  // ring position
       const int s = q % XR;
       uint4 v[NB][KS];
-      const __half* src = src0 + static_cast<size_t>(a) * T::KG;
+      const __half* src = src0 + static_cast<size_t>(PS && a >= G ? a + roff : a) * T::KG;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -387,9 +412,10 @@ struct SkinnyGemmPw {
   // W_SELF: this lane's weight word and (lanes < 4) scale chunk of consumer warp wn's tile at group 0
   // (a tile past N copies the last tile's: in bounds, never stored), and group a's copy into ring slot
   // `slot`; each lane reads back its own word, lanes 0-3's scale chunks after a __syncwarp
-  __device__ static void self_src(const uint4* __restrict__ wq, const void* __restrict__ wscale, int wn, int lane,
-                                  const char*& w, const char*& sc) {
-    const size_t tg = static_cast<size_t>(min(static_cast<int>(blockIdx.y) * WN + wn, TILES - 1)) * G;
+  // (column block `cb`: blockIdx.y, or a PERSIST tile's rest block PS + rest_block())
+  __device__ static void self_src(const uint4* __restrict__ wq, const void* __restrict__ wscale, int cb, int wn,
+                                  int lane, const char*& w, const char*& sc) {
+    const size_t tg = static_cast<size_t>(min(cb * WN + wn, TILES - 1)) * G;
     w = reinterpret_cast<const char*>(wq + tg * 32) + 16 * lane;
     sc = static_cast<const char*>(wscale) + tg * 64 + 16 * (lane & 3);
   }
@@ -406,7 +432,7 @@ struct SkinnyGemmPw {
   __device__ static void self_weights_prologue(const uint4* __restrict__ wq, const void* __restrict__ wscale,
                                                char* smem, int wn, int lane) {
     const char *w, *sc;
-    self_src(wq, wscale, wn, lane, w, sc);
+    self_src(wq, wscale, blockIdx.y, wn, lane, w, sc);
     const int a0 = split_begin(), a1 = split_end();
 #pragma unroll 1
     for (int r = 0; r < ST - 1; ++r) {
@@ -432,16 +458,29 @@ struct SkinnyGemmPw {
     // (ring slots and phases from unsigned group positions in the CTA's range: a shift and a mask where
     // the depth is a power of 2)
     // W_SELF: this lane's sources of ring position ST - 1; load(a) copies position a + ST - 1
+    // (PS: positions from G on come from the rest item's tile, K group rest_worker() x LW at position G:
+    // the sources + dw / ds, warp-uniform offsets, so no per-thread registers across the walks)
     const char *wnext = nullptr, *snext = nullptr;
+    long long dw = 0, ds = 0;
     if constexpr (WSELF) {
-      self_src(wq, wscale, wn, lane, wnext, snext);
+      self_src(wq, wscale, blockIdx.y, wn, lane, wnext, snext);
       const size_t a = split_begin() + ST - 1;
       wnext += a * 512;
       snext += a * 64;
     }
+    if constexpr (PS) {
+      const long long tiles = min((PS + rest_block()) * WN + wn, TILES - 1) - min(static_cast<int>(blockIdx.y) * WN + wn, TILES - 1);
+      const long long groups = tiles * G + rest_worker() * LW - G;
+      dw = groups * 512;
+      ds = groups * 64;
+    }
     (void)wq;
     (void)wscale;
-    auto load = [&](const unsigned a, typename T::Frag& f) {
+    // (src_c, PS only: where the refill's position a + ST - 1 lies -- 0: column block blockIdx.y's
+    // groups, 1: the rest item's, 2: either, chosen per position (the few groups before G); a select
+    // per group in the whole walk cost ~14 SASS per two groups of the issue-bound loop)
+    auto load = [&](auto src_c, const unsigned a, typename T::Frag& f) {
+      constexpr int src = decltype(src_c)::value;
       const unsigned s = a % ST;
       if constexpr (WSELF) {
         cp_async_wait<ST - 2>();  // this lane's copies of ring position a have landed ...
@@ -455,8 +494,10 @@ struct SkinnyGemmPw {
       if constexpr (NVFP4) sc = reinterpret_cast<const Scale*>(st + S_OFF + wn * 64)[T::scale_index()];
       T::decode(wv, sc, f);
       if constexpr (WSELF) {  // refill the slot of position a - 1 with position a + ST - 1
-        self_copy(smem, (a + ST - 1) % ST, at_wide<512>(wnext, a), at_wide<64>(snext, a), wn, lane,
-                  static_cast<int>(a) + ST - 1 < split_end() - split_begin());
+        const bool rest = src == 1 || (src == 2 && static_cast<int>(a) + ST - 1 >= G);
+        self_copy(smem, (a + ST - 1) % ST, at_wide<512>(rest ? wnext + dw : wnext, a),
+                  at_wide<64>(rest ? snext + ds : snext, a), wn, lane,
+                  static_cast<int>(a) + ST - 1 < (src == 0 ? G : split_end()) - split_begin());
         cp_async_commit();
       } else {
         mbar_arrive(empty(sb, s));  // after the decode that consumed the loads: the weight slot is free
@@ -478,7 +519,7 @@ struct SkinnyGemmPw {
     };
     // group a's MMAs on frag[CUR]; then group a - 1 is retired (LAST: everything is) and its stage
     // released (each group's stage is released one step later, by every consumer lane)
-    auto step = [&](auto cur_c, auto last_c, const unsigned a) {
+    auto step = [&](auto cur_c, auto last_c, auto src_c, const unsigned a) {
       constexpr int cur = decltype(cur_c)::value;
       constexpr bool last = decltype(last_c)::value;
       const uint32_t lo = desc0_lo + (a % XR) * (X_BYTES >> 4);
@@ -492,26 +533,39 @@ struct SkinnyGemmPw {
       else cute::warpgroup_wait<1>();
       fence_acc();
       if (a > 0) mbar_arrive(xempty(sb, (a - 1) % XR));
-      if constexpr (!last) load(a + 1, frag[cur ^ 1]);
+      if constexpr (!last) load(src_c, a + 1, frag[cur ^ 1]);
+    };
+    // ring positions [gb, ge) (>= 2 groups, schedule) into acc, everything retired at the end
+    // (src_c: the refills' source as in load; 2: refills from the own block's groups while the pair's
+    // both are below G, then chosen per position)
+    auto walk = [&](auto src_c, const int gb, const int ge) {
+      constexpr int src = decltype(src_c)::value, first = src == 1 ? 1 : 0;
+      load(IntC<first>{}, gb, frag[0]);  // (PS: gb + ST - 1 < G unless in the rest item: LW >= ST)
+      int a = gb;
+      if constexpr (src == 2) {
+#pragma unroll 1
+        for (; a + 2 < ge && a + ST + 1 < G; a += 2) {
+          step(IntC<0>{}, IntC<false>{}, IntC<0>{}, a);
+          step(IntC<1>{}, IntC<false>{}, IntC<0>{}, a + 1);
+        }
+      }
+#pragma unroll 1
+      for (; a + 2 < ge; a += 2) {
+        step(IntC<0>{}, IntC<false>{}, src_c, a);
+        step(IntC<1>{}, IntC<false>{}, src_c, a + 1);
+      }
+      if (a + 1 < ge) {
+        step(IntC<0>{}, IntC<false>{}, src_c, a);
+        step(IntC<1>{}, IntC<true>{}, src_c, a + 1);
+      } else {
+        step(IntC<0>{}, IntC<true>{}, src_c, a);
+      }
     };
     // the workers this CTA walks (ZS: split blockIdx.z's), their ranges as ring positions from a0
     const int vb = ZS ? blockIdx.z * Cfg::WARPS_K : 0, ve = ZS ? vb + Cfg::WARPS_K : WORKERS, a0 = split_begin();
 #pragma unroll 1
     for (int v = vb; v < ve; ++v) {
-      const int gb = v * G / WORKERS - a0, ge = (v + 1) * G / WORKERS - a0;  // >= 2 groups (schedule)
-      load(gb, frag[0]);
-      int a = gb;
-#pragma unroll 1
-      for (; a + 2 < ge; a += 2) {
-        step(IntC<0>{}, IntC<false>{}, a);
-        step(IntC<1>{}, IntC<false>{}, a + 1);
-      }
-      if (a + 1 < ge) {
-        step(IntC<0>{}, IntC<false>{}, a);
-        step(IntC<1>{}, IntC<true>{}, a + 1);
-      } else {
-        step(IntC<0>{}, IntC<true>{}, a);
-      }
+      walk(IntC<PS ? 2 : 0>{}, v * G / WORKERS - a0, (v + 1) * G / WORKERS - a0);
       if constexpr (SPL) {
         Base::fold_worker(acc, v, wn, lane, fold_view(smem));
       } else {
@@ -519,6 +573,23 @@ struct SkinnyGemmPw {
           tot[i][j][e] = v == vb ? acc[i][j][e] : tot[i][j][e] + acc[i][j][e];
           acc[i][j][e] = 0.0f;
         });
+      }
+    }
+    if constexpr (PS) {  // column block blockIdx.y is done (its tiles are all below TILES); the rest item
+      if (has_rest()) {
+        Base::epilogue(tot, blockIdx.y * WN + wn, m0, M, col_scale, out);
+        walk(IntC<1>{}, G, G + LW);
+        pdl_launch_dependents();
+        const int tile = (PS + rest_block()) * WN + wn;
+        if (tile >= TILES) return;  // (in every worker's CTA alike: no ticket is left waiting)
+        Base::store_partials(acc, tile, m0, M, partial, rest_worker());
+        if (!Base::template split_k_last<WORKERS>(tickets, rest_block(), wn, lane)) return;
+        // opaque copies: keep the per-element addresses out of the slot loop (as Base's split-K combine)
+        int t0 = tile, r0 = m0;
+        asm volatile("" : "+r"(t0), "+r"(r0));
+        Base::combine_workers(acc, t0, r0, M, partial);
+        Base::epilogue(acc, t0, r0, M, col_scale, out);
+        return;
       }
     }
     pdl_launch_dependents();
@@ -529,8 +600,8 @@ struct SkinnyGemmPw {
     const int tile0 = blockIdx.y * WN + wn;
     if (tile0 >= TILES) return;  // (ZS: in every CTA along z alike, so no ticket is left waiting)
     if constexpr (ZS) {  // the split's sums meet the others' through the partials (Base's split-K combine)
-      Base::store_partials(tot, tile0, m0, M, partial);
-      if (!Base::template split_k_last<Cfg::SPLIT_K>(tickets, wn, lane)) return;
+      Base::store_partials(tot, tile0, m0, M, partial, blockIdx.z);
+      if (!Base::template split_k_last<Cfg::SPLIT_K>(tickets, blockIdx.y, wn, lane)) return;
       Base::sum_partials(tot, tile0, m0, M, partial);
     }
     Base::epilogue(tot, tile0, m0, M, col_scale, out);
