@@ -123,7 +123,7 @@ class Tile:
     # P > 0: a w_self tile of a one-split plan on P CTAs (grid y; the space's SM count; names `_ps<P>`):
     # CTA c walks column block c whole, then one K worker of a column block past P (the blocks a grid of
     # one CTA per block runs as a second, mostly empty wave), whose workers' sums meet through FP32
-    # partials in worker order (the plan's fold: its bits). For N tilings of > P blocks, <= 2 P / workers
+    # partials in worker order (the plan's fold: its bits). For N tilings of P + 1 .. P + P / workers blocks
     persist: int = 0
 
 
