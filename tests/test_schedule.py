@@ -595,12 +595,13 @@ def test_persist_tiles_run_the_rest_column_blocks_as_k_workers() -> None:
         cands = candidates(90, fmt, 34816, 5120, silu=True)
         ps = [c for c in cands if c.tile.persist]
         assert ps and all(c.tile.persist == sms and c.tile.w_self and c.tile.warps_n == 12 for c in ps)
+        assert {c.tile.rows for c in ps} == {32, 64}  # the r32 and r64 wn12 w_self shapes
         for c in ps:
             twin = replace(c, tile=replace(c.tile, persist=0))
             assert twin in cands and c.name == twin.name.replace("_mb", f"_ps{sms}_mb")
             workers = c.kplan.split_k * c.kplan.warps_k
             assert c.kplan.split_k == 1 and workers == 2
-            assert c.grid(64) == (1, sms, 1) and c.ctas_k == workers
+            assert c.grid(64) == (64 // c.tile.rows, sms, 1) and c.ctas_k == workers  # r32 and r64 shapes
             assert c.workspace_floats(64) == workers * 64 * c.layout.n_pad
             assert (c.threads, c.smem_bytes()) == (twin.threads, twin.smem_bytes())
             d = c.to_dict()
