@@ -22,6 +22,14 @@ Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2`
 over any T in one launch (positions staged 16 at a time into two buffers, the next chunk's q / k
 copied while this one's positions run), committing the state after n[b] positions
 in place, outputs o only -- a prefill that is not armed for rollback, bitwise T one-token steps.
+
+Plus one chunk-form prefill pair per (arch, key head dim), ``templates/gdn_chunk.cu.j2``
+(``dfg_sm90_gdnck_dk128_c32_n16_w4``, manifest ``mode: "chunk"``; logic in
+``templates/include/dflashgen/gdn_chunk.cuh``): ``<name>_prep`` (per chunk of 32 positions and value
+head: the cumulative log decays, (I + N)^-1 and the decayed q.k products, into a workspace) and
+``<name>`` (the chunks in order, 16 state columns per CTA: register-tiled FP32 products instead of one
+dependency chain per position). The same recurrence in another summation order: not bitwise the
+sequential kernels, but a request's bits depend only on its own inputs.
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ from . import __version__
 from .model import load_model_config
 from .render import FamilyKernel, _env
 
-__all__ = ["ARCHS", "IO_MAX_D", "IO_WARPS", "MAX_T", "PREFILL_CHUNK", "PREFILL_COLS", "ROW_LANES", "WARPS",
-           "family_kernels", "io_kernel_name", "kernel_name", "key_dims", "prefill_kernel_name", "prefill_warps"]
+__all__ = ["ARCHS", "CHUNK", "CHUNK_COLS", "IO_MAX_D", "IO_WARPS", "MAX_T", "PREFILL_CHUNK", "PREFILL_COLS",
+           "ROW_LANES", "WARPS", "chunk_kernel_name", "chunk_smem_bytes", "family_kernels", "io_kernel_name",
+           "kernel_name", "key_dims", "prefill_kernel_name", "prefill_warps"]
 
 ARCHS = (70, 80, 90)
 MAX_T = 16  # positions per launch: the verify block (8) and the target's small-chunk limit
@@ -71,6 +80,26 @@ def prefill_warps(dk: int) -> int:
     """Warps per prefill CTA: PREFILL_WARPS where a chunk's q / k staging is whole rounds of the CTA's
     float4 loads (gdn.cuh prefill), else half (the small test key dims)."""
     return PREFILL_WARPS if PREFILL_CHUNK * dk // 4 % (32 * PREFILL_WARPS) == 0 else PREFILL_WARPS // 2
+# The chunk-form prefill: 32-position chunks (a 1K prompt is 32 sequential chunk steps; prep's
+# substitution is one warp wide), 16 state columns per 128-thread CTA (a B1 prefill's 48 heads x 128
+# columns: 384 CTAs, 3 per SM at ~75 KB of shared memory each, k double-buffered).
+CHUNK = 32
+CHUNK_COLS = 16
+CHUNK_THREADS = CHUNK * CHUNK_COLS // 4
+CHUNK_MIN_BLOCKS = 3
+
+
+def chunk_smem_bytes(dk: int) -> int:
+    """The scan's dynamic shared memory (gdn_chunk.cuh ScanSmem): two k buffers and one q of rows
+    padded to dk + 4, the state's columns, Tm / P rows padded to CHUNK + 4, v / r, u and weighted u,
+    g and beta."""
+    return 4 * (3 * CHUNK * (dk + 4) + dk * CHUNK_COLS + 2 * CHUNK * (CHUNK + 4) + 3 * CHUNK * CHUNK_COLS + 2 * CHUNK)
+
+
+def chunk_kernel_name(arch: int, dk: int) -> str:
+    return f"dfg_sm{arch}_gdnck_dk{dk}_c{CHUNK}_n{CHUNK_COLS}_w{CHUNK_THREADS // 32}"
+
+
 IO_WARPS = 4  # glue kernels: one warp per (position, head), 4 per CTA (TP1 B1 T8: 8 x 20 CTAs)
 IO_MAX_D = 256  # head dims the glue kernels take (gdn_io.cuh MAX_D: 8 channels per lane)
 
@@ -130,6 +159,12 @@ def render_prefill(arch: int, dk: int) -> str:
         cpt=PREFILL_COLS_PER_THREAD, min_blocks=PREFILL_MIN_BLOCKS)
 
 
+def render_chunk(arch: int, dk: int) -> str:
+    return _env().get_template("gdn_chunk.cu.j2").render(
+        version=__version__, name=chunk_kernel_name(arch, dk), arch=arch, dk=dk, chunk=CHUNK, cols=CHUNK_COLS,
+        threads=CHUNK_THREADS, min_blocks=CHUNK_MIN_BLOCKS, smem=chunk_smem_bytes(dk))
+
+
 def family_kernels() -> list[FamilyKernel]:
     steps = [FamilyKernel(kernel_name(arch, dk), arch, render(arch, dk),
                           {"dk": dk, "max_t": MAX_T, "threads": THREADS, "cols": COLS, "mode": "step",
@@ -140,7 +175,11 @@ def family_kernels() -> list[FamilyKernel]:
                               "cols": prefill_warps(dk) * 2 * PREFILL_COLS_PER_THREAD,
                               "mode": "prefill"})
                 for arch in ARCHS for dk in key_dims()]
+    chunks = [FamilyKernel(chunk_kernel_name(arch, dk), arch, render_chunk(arch, dk),
+                           {"dk": dk, "chunk": CHUNK, "threads": CHUNK_THREADS, "cols": CHUNK_COLS,
+                            "smem": chunk_smem_bytes(dk), "mode": "chunk"})
+              for arch in ARCHS for dk in key_dims()]
     io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
                        {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D})
           for arch in ARCHS]
-    return steps + prefills + io
+    return steps + prefills + chunks + io

@@ -68,7 +68,7 @@ from .parallel import RowParallel, TPContext, init_tp
 from .sampling import SamplingParams
 from .spec_decode import Drafter, NgramDrafter, ReplayDrafter, SpecDecoder, plain_greedy
 from .synthetic import write_synthetic_checkpoint
-from .target import NonLinearWeights, TargetModel, dequantized_projections
+from .target import PREFILL_FORMS, NonLinearWeights, TargetModel, dequantized_projections
 
 __all__ = [
     "BATCHES",
@@ -496,7 +496,8 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
               f"output tokens; q{NUM_DRAFT}; {sampling}; "
               f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling"
               + (f"; overlapped prefill leaves {cfg.prefill_sm_carveout} SMs to the rounds (cuBLAS carveout)"
-                 if cfg.prefill_sm_carveout else ""))
+                 if cfg.prefill_sm_carveout else "")
+              + f"; GDN prefill {os.environ.get('DFLASHGEN_GDN_PREFILL') or 'sequential'}")
     note = None
     if cfg.synthetic_acceptance:
         note = (f"SYNTHETIC ACCEPTANCE (benchmark only): each draft's accept/reject decision under sampled "
@@ -683,6 +684,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-sm-carveout", type=int, default=None, metavar="N",
                    help="overlapped prefill: its cuBLAS GEMMs target all but N SMs (torch's experimental cuBLAS SM "
                         "carveout), leaving them to the rounds' kernels; default: none")
+    p.add_argument("--gdn-prefill", choices=PREFILL_FORMS, default=None,
+                   help="the prefill's GDN recurrence: the sequential kernel (default; bitwise one-token steps), "
+                        "the chunk-form kernels (faster, ~1e-6 from those bits) or the torch chunk form "
+                        "(sets $DFLASHGEN_GDN_PREFILL)")
     p.add_argument("--sampled-drafts", action="store_true",
                    help="block drafter: sampled requests draw their drafts from the drafter's distribution and "
                         "verification uses it (q); default: argmax drafts, verified without draft probabilities "
@@ -728,6 +733,8 @@ def _launch_tp(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    if args.gdn_prefill:  # before any target exists (TP ranks inherit it)
+        os.environ["DFLASHGEN_GDN_PREFILL"] = args.gdn_prefill
     command = os.environ.get("DFLASHGEN_BENCH_COMMAND") or "dflashgen " + shlex.join(argv)
     world = _env_world()
     ctx: TPContext | None = None

@@ -199,6 +199,14 @@ class ArgPack:
         self.address = ctypes.addressof(self._ptrs)
         self.lock = threading.Lock()
 
+    def launch(self, fn: Function, grid: Sequence[int], block: Sequence[int], stream: int,
+               values: Sequence[Any], shared: int = 0) -> None:
+        """Fill the parameters with ``values`` (in order) and launch ``fn`` with them, under the lock."""
+        with self.lock:
+            for slot, val in zip(self.values, values, strict=True):
+                slot.value = val
+            fn.launch_pack(grid, block, self, stream, shared)
+
 
 class LaunchArgs:
     """Every cuLaunchKernel argument of one kernel launch as persistent ctypes storage: the function,

@@ -41,8 +41,8 @@ import torch
 from .driver import ArgPack, current_stream
 from .images import entry_here, family_entries, load_module
 
-__all__ = ["GdnInputError", "fma32", "gdn_advance", "gdn_prefill", "gdn_step", "per_value_head", "prefill_available",
-           "reference_advance", "reference_step"]
+__all__ = ["GdnInputError", "chunk_available", "fma32", "gdn_advance", "gdn_prefill", "gdn_prefill_chunked", "gdn_step",
+           "per_value_head", "prefill_available", "reference_advance", "reference_step"]
 
 Tensor = torch.Tensor
 MAX_T = 16  # dflashgen.gdn_family.MAX_T
@@ -245,8 +245,25 @@ class _Prefill:
         self.args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p])
 
 
+class _Chunk:
+    """The chunk-form prefill pair (prep + scan) for one (key dim, arch, device)."""
+
+    def __init__(self, dk: int, arch: int, device_index: int) -> None:
+        entry = _entry("chunk", dk, arch)
+        mod = load_module(entry, device_index)
+        self.name = entry["name"]
+        self.chunk, self.cols, self.threads = int(entry["chunk"]), int(entry["cols"]), int(entry["threads"])
+        self.smem = int(entry["smem"])  # the scan's dynamic shared memory (gdn_family.chunk_smem_bytes)
+        self.prep, self.scan = mod.function(self.name + "_prep"), mod.function(self.name)
+        self.scan.allow_dynamic_smem(self.smem)
+        p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+        self.prep_args = ArgPack([p, p, p, p, i, i, i, p, p, p])
+        self.scan_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, p, p, i, i, i, i, p, p])
+
+
 _KERNELS: dict[tuple[int, int, int], _Kernels] = {}
 _PREFILL: dict[tuple[int, int, int], _Prefill] = {}
+_CHUNK: dict[tuple[int, int, int], _Chunk] = {}
 
 
 def _cached(cache: dict[tuple[int, int, int], Any], cls: Any, dev: torch.device, dk: int,
@@ -266,6 +283,15 @@ def _kernels(dev: torch.device, dk: int, arch: int | None) -> tuple[_Kernels, in
 
 def _prefill_kernel(dev: torch.device, dk: int, arch: int | None) -> tuple[_Prefill, int]:
     return _cached(_PREFILL, _Prefill, dev, dk, arch)
+
+
+def _chunk_kernel(dev: torch.device, dk: int, arch: int | None) -> tuple[_Chunk, int]:
+    return _cached(_CHUNK, _Chunk, dev, dk, arch)
+
+
+def chunk_available(device: torch.device | str, dk: int, arch: int | None = None) -> bool:
+    """Whether :func:`gdn_prefill_chunked` runs the generated chunk-form kernels here (manifest only)."""
+    return entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, lambda a: _entry("chunk", dk, a)) is not None
 
 
 def prefill_available(device: torch.device | str, dk: int, arch: int | None = None) -> bool:
@@ -403,11 +429,40 @@ def gdn_prefill(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_de
         _fail("q and k must start at 16-byte aligned addresses (the prefill kernel stages them as float4)")
     o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
     kn, idx = _prefill_kernel(dev, dk, arch)
-    a = kn.args
-    with a.lock:
-        vals = (s.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
-                beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), _ptr(n))
-        for slot, val in zip(a.values, vals, strict=True):
-            slot.value = val
-        kn.fn.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx))
+    kn.args.launch(kn.fn, (-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), current_stream(idx),
+                   (s.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
+                    beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), _ptr(n)))
+    return o
+
+
+def gdn_prefill_chunked(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
+                        n: Tensor | None = None, o: Tensor | None = None, arch: int | None = None) -> Tensor:
+    """:func:`gdn_prefill` in chunk (WY) form: the same arguments, contract and outputs, computed as
+    FP32 products over chunks of 32 positions (``gdn_chunk.cuh``: a prep launch over every chunk, then
+    one scan over the chunks in order). Not bitwise the sequential kernels (another summation order,
+    within ~1e-6 relative of them at Qwen3.8 shapes); a request's bits still depend only on its own
+    inputs (not on T's padding, the batch or the other requests). CUDA only (the CPU path is the
+    target's torch chunk form); q, k, o 16-byte aligned."""
+    b, t, hk, hv, dk, dv = _step_dims(s, q, k, v, beta, log_decay, max_t=None)
+    dev = s.device
+    if dev.type != "cuda":
+        _fail("gdn_prefill_chunked runs the generated CUDA kernels only (on CPU: gdn_prefill or the chunk form)")
+    _check("o", o, (b, t, hv, dv), dev)
+    _check("n", n, (b,), dev, dtype=torch.long)
+    _aligned(s)
+    o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
+    _aligned16("the chunk-form prefill", q=q, k=k, o=o)
+    kn, idx = _chunk_kernel(dev, dk, arch)
+    nch = -(-t // kn.chunk)
+    ws_g = torch.empty((b, hv, nch, kn.chunk), dtype=torch.float32, device=dev)
+    ws_t = torch.empty((b, hv, nch, kn.chunk, kn.chunk), dtype=torch.float32, device=dev)
+    ws_p = torch.empty_like(ws_t)
+    stream = current_stream(idx)
+    kn.prep_args.launch(kn.prep, (nch, hv, b), (kn.threads, 1, 1), stream,
+                        (q.data_ptr(), k.data_ptr(), beta.data_ptr(), log_decay.data_ptr(), t, hk, hv,
+                         ws_g.data_ptr(), ws_t.data_ptr(), ws_p.data_ptr()))
+    kn.scan_args.launch(kn.scan, (-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), stream,
+                        (s.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
+                         beta.data_ptr(), ws_g.data_ptr(), ws_t.data_ptr(), ws_p.data_ptr(), t, hk, hv, dv,
+                         o.data_ptr(), _ptr(n)), kn.smem)
     return o

@@ -22,8 +22,10 @@ CPU) with the causal conv as an explicit W-tap sum: a position's bits do not dep
 or the accepted length, so a verify round rolled back to n equals n one-token steps bitwise. Longer
 inputs not armed for rollback (prefill) take the same sequential path on CUDA through the family's
 prefill kernel (:func:`~.gdn_kernel.gdn_prefill`: any T in one launch per layer, the step's
-roundings); on CPU, where no prefill kernel exists for the key dim, or armed (``checkpoint``) for
-more than 16 positions they run in matrix (chunk) form, which rounds per chunk.
+roundings), or with ``DFLASHGEN_GDN_PREFILL=chunked`` through the generated chunk-form kernels
+(:func:`~.gdn_kernel.gdn_prefill_chunked`: faster, ~1e-6 from those bits, still per request); on CPU,
+where no prefill kernel exists for the key dim, or armed (``checkpoint``) for more than 16 positions
+they run in the torch matrix (chunk) form, which rounds per chunk.
 Forward and rollback use static shapes, update the state in place and never sync with the host
 (``check=False``), so :mod:`~.graphs` captures them as CUDA graphs per batch size.
 
@@ -65,7 +67,15 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
-from .gdn_kernel import gdn_advance, gdn_prefill, gdn_step, per_value_head, prefill_available
+from .gdn_kernel import (
+    chunk_available,
+    gdn_advance,
+    gdn_prefill,
+    gdn_prefill_chunked,
+    gdn_step,
+    per_value_head,
+    prefill_available,
+)
 from .library import KernelLibrary, mul_to, silu_mul_cat
 from .norm_kernel import (
     add_rmsnorm,
@@ -793,7 +803,7 @@ class TargetModel(torch.nn.Module):
             cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
         else:
             cat = torch.cat(parts, dim=1).transpose(1, 2)
-        if t <= _SMALL_CHUNK or (not keep and _sequential_prefill(x.device, dk)):
+        if t <= _SMALL_CHUNK or (not keep and _prefill_form(x.device, dk) != "torch"):
             # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness)
             o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay)
         else:
@@ -849,6 +859,8 @@ class TargetModel(torch.nn.Module):
         s0 = state.ssm[i]
         if t <= _SMALL_CHUNK:
             o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
+        elif _prefill_form(s0.device, dk) == "chunked":
+            o = gdn_prefill_chunked(s0, q, k, v, beta, log_decay, n=n_new)  # in place: prep + scan
         else:
             o = gdn_prefill(s0, q, k, v, beta, log_decay, n=n_new)  # in place, one launch
         state.conv[i].copy_(cat[..., t:] if n_new is None else _window(cat, n_new, width - 1))
@@ -903,14 +915,24 @@ def _fused_prefill_attention(q: Tensor) -> bool:
     return q.device.type == "cuda" and os.environ.get("DFLASHGEN_PREFILL_ATTENTION", "") != "reference"
 
 
-def _sequential_prefill(device: torch.device, dk: int) -> bool:
-    """Whether an unarmed forward of more than 16 positions runs the GDN recurrence sequentially
-    (the prefill kernel) rather than in chunk form: CUDA with a prefill kernel for ``dk``
-    (:func:`~.gdn_kernel.prefill_available`). ``DFLASHGEN_GDN_PREFILL=chunk`` forces the chunk form
-    (A/B profiles); tests patch this to run the torch reference sequentially on CPU."""
-    if os.environ.get("DFLASHGEN_GDN_PREFILL", "") == "chunk":
-        return False
-    return prefill_available(device, dk)
+PREFILL_FORMS = ("sequential", "chunked", "torch")
+
+
+def _prefill_form(device: torch.device, dk: int) -> str:
+    """How an unarmed forward of more than 16 positions (a prefill) runs the GDN recurrence:
+    ``sequential`` (the family's prefill kernel: bitwise one-token steps), ``chunked`` (the generated
+    chunk-form kernels, :func:`~.gdn_kernel.gdn_prefill_chunked`: FP32 products over 32-position
+    chunks, ~1e-6 from the sequential bits) or ``torch`` (the torch chunk form, any device).
+    ``$DFLASHGEN_GDN_PREFILL`` picks (default ``sequential``); a form without a kernel for ``dk`` on
+    this device falls back to ``torch``. Tests patch this to run the torch reference sequentially on CPU."""
+    form = os.environ.get("DFLASHGEN_GDN_PREFILL", "") or "sequential"
+    if form not in PREFILL_FORMS:
+        raise ValueError(f"DFLASHGEN_GDN_PREFILL={form!r}: one of {', '.join(PREFILL_FORMS)}")
+    if form == "sequential" and prefill_available(device, dk):
+        return form
+    if form == "chunked" and chunk_available(device, dk):
+        return form
+    return "torch"
 
 
 _SMALL_CHUNK = 16  # chunks up to this size invert (I + N) by nilpotent products: matmuls only

@@ -54,7 +54,18 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     ks = [k for k in every if k.meta["mode"] == "step"]
     pf = [k for k in every if k.meta["mode"] == "prefill"]
     io = [k for k in every if k.meta["mode"] == "io"]
-    assert len(ks) + len(pf) + len(io) == len(every)
+    ck = [k for k in every if k.meta["mode"] == "chunk"]
+    assert len(ks) + len(pf) + len(io) + len(ck) == len(every)
+    assert {(k.arch, k.meta["dk"]) for k in ck} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
+    for k in ck:  # prep + scan; chunk, columns and warps in the name; the header's smem size checked at compile
+        dk = k.meta["dk"]
+        assert k.name == f"dfg_sm{k.arch}_gdnck_dk{dk}_c32_n16_w4"
+        assert (k.meta["chunk"], k.meta["cols"], k.meta["threads"]) == (32, 16, 128)
+        assert k.meta["smem"] == 4 * (96 * (dk + 4) + 16 * dk + 64 * 36 + 96 * 16 + 64)
+        assert f"{k.name}_prep(" in k.source and f"{k.name}(" in k.source
+        assert f"scan<{dk}, 32, 16, 128>" in k.source and f"prep<{dk}, 32, 128>" in k.source
+        assert f"scan_smem_bytes<{dk}, 32, 16>() == {k.meta['smem']}" in k.source
+        assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn_chunk.cuh>" in k.source
     assert {k.name for k in io} == {f"dfg_sm{a}_gdnio_w4_d256" for a in (70, 80, 90)}
     for k in io:  # one pair per arch, dims at run time
         assert f"{k.name}(" in k.source and f"{k.name}_gate(" in k.source
@@ -85,11 +96,14 @@ def test_family_renders_every_arch_and_key_dim() -> None:
 
 def test_manifest_lists_the_family_and_files_exist() -> None:
     entries = load_manifest()["families"]["gdn"]
-    assert len(entries) == 2 * 3 * len(gdn_family.key_dims()) + 3
+    assert len(entries) == 3 * 3 * len(gdn_family.key_dims()) + 3
     for e in entries:
         assert (generated_dir() / e["file"]).is_file() and e["family"] == "gdn"
         if e["mode"] == "io":
             assert (e["threads"], e["warps"], e["max_d"]) == (128, 4, 256)
+        elif e["mode"] == "chunk":
+            assert (e["threads"], e["cols"], e["chunk"]) == (128, 16, 32)
+            assert e["smem"] == gdn_family.chunk_smem_bytes(e["dk"]) <= 75 * 1024  # 3 CTAs per SM on sm_90
         elif e["mode"] == "step":
             assert (e["threads"], e["cols"], e["max_t"]) == (128, 32, 16)
             assert e["smem_per_t"] == 4 * (2 * e["dk"] + 34) and e["advance_smem_per_t"] == 4 * (e["dk"] + 33)
@@ -103,11 +117,15 @@ def test_manifest_lists_the_family_and_files_exist() -> None:
 def test_family_compiles_without_spills(arch: int) -> None:
     if arch != 70 and shutil.which("nvcc") is None:
         pytest.skip("no nvcc for sm_80 / sm_90 (NVRTC 12.9 builds sm_70 only here)")
-    res = build([arch], only="_gdn(pf|io)?_", progress=False)
-    assert len(res.resources()) == 2 * len(gdn_family.key_dims()) + 1
+    res = build([arch], only="_gdn(pf|io|ck)?_", progress=False)
+    assert len(res.resources()) == 3 * len(gdn_family.key_dims()) + 1
     for a in res.artifacts.values():
         entries = parse_ptxas_log(a.log.read_text())
         prefill = "_gdnpf_" in a.name
+        if "_gdnck_" in a.name:  # prep + scan: no spills, the scan's shared memory dynamic
+            assert set(entries) == {a.name, a.name + "_prep"}
+            assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
+            continue
         if "_gdnio_" in a.name:
             assert set(entries) == {a.name, a.name + "_gate"}
             assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
@@ -332,7 +350,7 @@ def test_sequential_prefill_matches_the_chunk_form(model: TargetModel, monkeypat
     chunk = model.new_state(3, 48)
     ref = model(toks, chunk, num_new=n)
     calls = spy_on_prefill(monkeypatch)
-    monkeypatch.setattr(target_mod, "_sequential_prefill", lambda device, dk: True)
+    monkeypatch.setattr(target_mod, "_prefill_form", lambda device, dk: "sequential")
     seq = model.new_state(3, 48)
     got = model(toks, seq, num_new=n)
     assert calls == [40] * len(seq.gdn_index)
@@ -349,10 +367,27 @@ def test_sequential_prefill_matches_the_chunk_form(model: TargetModel, monkeypat
     torch.testing.assert_close(armed.ssm_all, chunk.ssm_all, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_form_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$DFLASHGEN_GDN_PREFILL picks the prefill's GDN form; a form without a kernel on this device (CPU)
+    falls back to the torch chunk form; an unknown value is an error, not a silent default."""
+    cpu = torch.device("cpu")
+    for form in ("", "sequential", "chunked", "torch"):
+        monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", form)
+        assert target_mod._prefill_form(cpu, 128) == "torch"
+    monkeypatch.setattr(target_mod, "prefill_available", lambda device, dk: True)
+    monkeypatch.setattr(target_mod, "chunk_available", lambda device, dk: True)
+    for form, want in (("", "sequential"), ("sequential", "sequential"), ("chunked", "chunked"), ("torch", "torch")):
+        monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", form)
+        assert target_mod._prefill_form(cpu, 128) == want, form
+    monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", "chunk")
+    with pytest.raises(ValueError, match="sequential, chunked, torch"):
+        target_mod._prefill_form(cpu, 128)
+
+
 def test_sequential_prefill_keeps_greedy_identity(model: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the sequential prefill forced (CPU reference), speculative greedy decoding still equals plain
     greedy decoding for prompts that prefill more than 16 tokens, batched and per request."""
-    monkeypatch.setattr(target_mod, "_sequential_prefill", lambda device, dk: True)
+    monkeypatch.setattr(target_mod, "_prefill_form", lambda device, dk: "sequential")
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in (30, 18, 3, 25)]
     oracle = [plain_greedy(model, p, 8) for p in prompts]

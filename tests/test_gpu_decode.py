@@ -250,7 +250,8 @@ def test_prefill_is_bitwise_one_token_steps(target, monkeypatch: pytest.MonkeyPa
     """A ragged 40-token prefill (num_new) runs the GDN layers on the prefill kernel and leaves, per
     request, exactly the GDN state (recurrent and conv) of its n[b] one-token forwards in every GDN
     layer before the first attention layer (batch-invariant projections: nothing else differs there);
-    the chunk form (DFLASHGEN_GDN_PREFILL=chunk) stays within FP32 / FP16 rounding of it."""
+    the generated chunk-form kernels and the torch chunk form (DFLASHGEN_GDN_PREFILL=chunked / torch)
+    stay within FP32 / FP16 rounding of it."""
 
     from dflashgen.model import FULL
 
@@ -273,14 +274,15 @@ def test_prefill_is_bitwise_one_token_steps(target, monkeypatch: pytest.MonkeyPa
         for j in early:
             assert torch.equal(steps.ssm_all[j, 0], pre.ssm_all[j, r]), f"GDN state of request {r}, layer {j}"
             assert torch.equal(steps.conv_all[j, 0], pre.conv_all[j, r]), f"conv state of request {r}, layer {j}"
-    monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", "chunk")
-    chunk = target.new_state(b, 64)
-    calls.clear()
-    target(toks, chunk, num_new=n, logits=False)
-    assert calls == []
-    err = float((chunk.ssm_all - pre.ssm_all).norm() / pre.ssm_all.norm())
-    assert err <= 1e-2, err
-    print(f"prefill GDN state, chunk form vs the kernel: rel {err:.2e}")
+    for form in ("chunked", "torch"):
+        monkeypatch.setenv("DFLASHGEN_GDN_PREFILL", form)
+        chunk = target.new_state(b, 64)
+        calls.clear()
+        target(toks, chunk, num_new=n, logits=False)
+        assert calls == []
+        err = float((chunk.ssm_all - pre.ssm_all).norm() / pre.ssm_all.norm())
+        assert err <= 1e-2, (form, err)
+        print(f"prefill GDN state, {form} form vs the sequential kernel: rel {err:.2e}")
 
 
 def test_verify_rollback_is_bitwise_one_token_steps(target) -> None:

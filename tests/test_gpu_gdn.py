@@ -223,6 +223,82 @@ def test_prefill_of_1023_tokens_timing() -> None:
     print(f"gdn prefill T={t} B=1: {med:.3f} ms per layer, {med * 1e3 / t:.2f} us per position")
 
 
+def _reference64(s0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                 ld: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence in FP64, position by position: outputs for every position and the state after
+    n[b] positions (n[b] = 0: S0)."""
+    hv = s0.shape[1]
+    rep = hv // k.shape[2]
+    s = s0.double()
+    kk, qq = k.double().repeat_interleave(rep, dim=2), q.double().repeat_interleave(rep, dim=2)
+    out, commit = [], s.clone()
+    for t in range(k.shape[1]):
+        s = s * ld[:, t].double().exp()[..., None, None]
+        u = beta[:, t].double()[..., None] * (v[:, t].double() - torch.einsum("bhkv,bhk->bhv", s, kk[:, t]))
+        s = s + kk[:, t][..., :, None] * u[..., None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", s, qq[:, t]))
+        commit = torch.where((n == t + 1).view(-1, 1, 1, 1), s, commit)
+    return torch.stack(out, dim=1), commit
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(1023, 16, 48, 128, 128), (100, 2, 6, 32, 40),
+                                                         (77, 4, 12, 64, 128), (33, 2, 4, 16, 16),
+                                                         (32, 16, 48, 128, 128), (5, 2, 6, 32, 40)])
+def test_chunked_prefill_matches_the_recurrence(arch: str | int, t: int, hk: int, hv: int, dk: int, dv: int) -> None:
+    """The chunk-form prefill kernels (prep + scan) against the recurrence in FP64: outputs and the
+    state after ragged n[b] (T, 0, mid-chunk, T - 3) within 1e-5, next to the sequential kernel's own
+    error; a request's bits alone (its own T) == padded in the batch (chunks start at its first
+    position; every sum runs over its positions <= t)."""
+    from dflashgen.runtime.gdn_kernel import gdn_prefill, gdn_prefill_chunked
+
+    b, a = 4, _arch(arch)
+    s0, q, k, v, beta, ld = _inputs(b, t, hk, hv, dk, dv, seed=t + dk + 7)
+    n = torch.tensor([t, 0, min(t, 45), max(t - 3, 1)], device="cuda")
+    chunked, seq = s0.clone(), s0.clone()
+    o = gdn_prefill_chunked(chunked, q, k, v, beta, ld, n=n, arch=a)
+    o_seq = gdn_prefill(seq, q, k, v, beta, ld, n=n, arch=a)
+    ro, rs = _reference64(s0, q, k, v, beta, ld, n)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.equal(chunked[1], s0[1])
+    errs = {"o": _rel(o.double(), ro), "state": _rel(chunked.double(), rs)}
+    seq_errs = {"o": _rel(o_seq.double(), ro), "state": _rel(seq.double(), rs)}
+    print(f"chunked prefill T={t} dk={dk} dv={dv} {arch}: rel. to FP64 {errs} (sequential kernel {seq_errs})")
+    assert max(errs.values()) <= 1e-5, errs
+    for r in (2, 3):  # alone, with T = n[r]: the same bits as in the padded batch
+        m = int(n[r])
+        alone = s0[r:r + 1].clone()
+        o1 = gdn_prefill_chunked(alone, q[r:r + 1, :m].contiguous(), k[r:r + 1, :m].contiguous(), v[r:r + 1, :m],
+                                 beta[r:r + 1, :m].contiguous(), ld[r:r + 1, :m].contiguous(), arch=a)
+        assert torch.equal(o1[0], o[r, :m]) and torch.equal(alone[0], chunked[r]), r
+
+
+def test_chunked_prefill_of_1023_tokens_timing() -> None:
+    """Not a gate: CUDA-event medians at Qwen3.8 shapes (16 key / 48 value heads, dk = dv = 128), T =
+    1023, B = 1 and 4: the chunk-form kernels (prep + scan) against the sequential prefill kernel."""
+    from dflashgen.runtime.gdn_kernel import gdn_prefill, gdn_prefill_chunked
+
+    t = 1023
+    for b in (1, 4):
+        s0, q, k, v, beta, ld = _inputs(b, t, 16, 48, 128, 128, seed=5)
+        s = s0.clone()
+        times = {}
+        for name, fn in (("sequential", gdn_prefill), ("chunked", gdn_prefill_chunked)):
+            fn(s, q, k, v, beta, ld)
+            ms = []
+            for _ in range(7):
+                s.copy_(s0)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn(s, q, k, v, beta, ld)
+                e1.record()
+                torch.cuda.synchronize()
+                ms.append(e0.elapsed_time(e1))
+            times[name] = sorted(ms)[len(ms) // 2]
+        print(f"gdn prefill T={t} B={b}: sequential {times['sequential']:.3f} ms, chunked {times['chunked']:.3f} ms "
+              f"per layer ({times['sequential'] / times['chunked']:.2f}x)")
+
+
 def test_graph_replay_equals_eager() -> None:
     """Step (rollback terms into static buffers) + advance of two stacked layers captured once,
     replayed with new inputs and accepted lengths."""
@@ -286,6 +362,13 @@ def test_bad_inputs_on_cuda() -> None:
     odd.copy_(q)
     with pytest.raises(GdnInputError, match="16-byte aligned"):
         gdn_prefill(s0.clone(), odd, k, v, beta, ld)
+    from dflashgen.runtime.gdn_kernel import chunk_available, gdn_prefill_chunked
+
+    assert chunk_available("cuda", 128) and not chunk_available("cuda", 48) and not chunk_available("cpu", 128)
+    with pytest.raises(GdnInputError, match="q must start at 16-byte aligned"):
+        gdn_prefill_chunked(s0.clone(), odd, k, v, beta, ld)
+    with pytest.raises(GdnInputError, match="CUDA kernels only"):
+        gdn_prefill_chunked(s0.cpu(), q.cpu(), k.cpu(), v.cpu(), beta.cpu(), ld.cpu())
     with pytest.raises(GdnInputError, match="q must start at 16-byte aligned"):
         gdn_step(s0, odd, k, v, beta, ld)  # the step stages q / k as float4 too
     o = torch.empty(2 * 8 * 4 * 16 + 1, device="cuda")[1:].view(2, 8, 4, 16)  # 4 bytes past alignment

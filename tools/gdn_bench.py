@@ -1,5 +1,6 @@
 """Time the gated-delta-rule verify step (the advance, and the step with a folded rollback) at the
-Qwen3.8-27B GDN shapes per batch size, and (``--prefill``) one request's prefill of that many positions:
+Qwen3.8-27B GDN shapes per batch size, and (``--prefill``) one request's prefill of that many positions
+(the sequential kernel and the chunk-form pair):
 T = 8 positions, 16 key / 48 value heads, dk = dv = 128, FP32 state. CUDA-graph replays of 20 launches,
 CUDA events, median of 15 replays; also the bytes of state the step reads and what that costs at
 the measured read bandwidth, so `us` can be read against a floor. Run under ncu with
@@ -15,7 +16,7 @@ import json
 import statistics
 
 import torch
-from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_prefill, gdn_step
+from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_prefill, gdn_prefill_chunked, gdn_step
 
 from dflashgen.gdn_family import COLS
 
@@ -80,7 +81,8 @@ def time_prefill(t: int, dev: torch.device, gen: torch.Generator) -> dict[str, f
     log_decay = -torch.rand(1, t, HV, device=dev, generator=gen)
     o = torch.empty(1, t, HV, DV, device=dev)
     us = _graph_us(lambda: gdn_prefill(s, q, k, v, beta, log_decay, o=o), reps=5, samples=9)
-    return {"T": t, "prefill_us": round(us, 1), "us_per_position": round(us / t, 3)}
+    ck = _graph_us(lambda: gdn_prefill_chunked(s, q, k, v, beta, log_decay, o=o), reps=5, samples=9)
+    return {"T": t, "prefill_us": round(us, 1), "us_per_position": round(us / t, 3), "chunked_us": round(ck, 1)}
 
 
 def main() -> None:

@@ -17,10 +17,15 @@
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
 #                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first;
 #                                          # GDN=1 times the GDN step / advance / 1023-token prefill
-#                                          # (tools/gdn_bench.py); GDN_AB=file.diff times them without
+#                                          # (tools/gdn_bench.py); NCU_GDN=regex: ncu of those GDN
+#                                          # kernels in a 1023-token prefill + SASS stalls;
+#                                          # GDN_AB=file.diff times them without
 #                                          # the diff (git apply -R) and with it, alternating twice;
 #                                          # GDN_ENVS="NAME=VALUE ..." once more per setting;
-#                                          # DECODE=0 skips the decode-bench and prefill profile
+#                                          # DECODE=0 skips the decode-bench and prefill profile;
+#                                          # DECODE_ARGS="..." extra decode-bench args (e.g.
+#                                          # "--gdn-prefill chunked"); PROFILE_GDN="sequential chunked"
+#                                          # profiles the prefill once per GDN form
 #   PART=R ...                             # a race of chosen GEMM kernels against the served ones
 #                                          # (tools/wgmma_race.py: verified first, then timed):
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
@@ -97,6 +102,20 @@ C)
   if [ -n "${GDN:-}" ]; then  # GDN=1: the GDN verify step / advance per batch (tools/gdn_bench.py)
     echo "== gdn-bench"; timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-bench.json" 2>&1 | tail -8
   fi
+  if [ -n "${NCU_GDN:-}" ]; then  # NCU_GDN=regex: ncu of those GDN kernels in a 1023-token prefill (the first
+    # two launches), and the SASS stalls of the first whose name ends in w4 (e.g. NCU_GDN=gdnck: the scan)
+    echo "== ncu $NCU_GDN"
+    timeout 120 $NCU -k "regex:$NCU_GDN" --launch-count 2 python3 tools/gdn_bench.py --batches 1 --prefill 1023 \
+      > "$R/ncu-gdn.txt" 2>&1
+    grep -E "dfg_|Duration|Issue Slots|Achieved Occ|Registers Per|L1/TEX Hit|L2 Cache Throughput|DRAM Throughput" "$R/ncu-gdn.txt" | head -24
+    rep=/tmp/ncu-gdn-$RANDOM
+    timeout 120 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:$NCU_GDN.*w4\$" \
+      --launch-count 1 -o "$rep" python3 tools/gdn_bench.py --batches 1 --prefill 1023 > /dev/null 2>&1
+    ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2> "$rep.err"
+    python3 tools/ncu_stalls.py "$rep.csv" > "$R/stalls-gdn.txt" 2>&1 || cat "$rep.err" >> "$R/stalls-gdn.txt"
+    head -30 "$R/stalls-gdn.txt"
+    pack
+  fi
   if [ -n "${GDN_AB:-}" ]; then  # base (the diff reversed) / new, twice; the family rebuilt each way
     for run in base1 new1 base2 new2; do
       [ "${run#base}" != "$run" ] && git apply -R "$GDN_AB"
@@ -115,10 +134,13 @@ C)
   mkdir -p "$R/decode"
   echo "== decode-bench full size"
   CK=$(mktemp -d)/ckpt
-  timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" 2>&1 | tail -40
+  timeout 360 dflashgen decode-bench "$CK" --synthetic --device cuda --out "$R/decode" ${DECODE_ARGS:-} 2>&1 | tail -40
   pack
-  echo "== prefill profile"; timeout 90 python3 tools/profile_prefill.py --layers 4 > "$R/decode/profile-prefill.txt" 2>&1
-  head -1 "$R/decode/profile-prefill.txt"
+  for g in ${PROFILE_GDN:-sequential}; do
+    f="$R/decode/profile-prefill.txt"; [ -n "${PROFILE_GDN:-}" ] && f="$R/decode/profile-prefill-$g.txt"
+    echo "== prefill profile ($g)"; timeout 90 python3 tools/profile_prefill.py --layers 4 --gdn "$g" > "$f" 2>&1
+    head -1 "$f"
+  done
   if [ -n "${AB:-}" ]; then
     mkdir -p "$R/decode-ab"
     echo "== decode-bench $AB (B4, B8)"

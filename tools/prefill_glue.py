@@ -172,7 +172,9 @@ def build(pkg: str, ckpt: Path | None, cfg: ModelConfig, act: torch.dtype, count
             m = target.lm_head
             target.lm_head = LibraryFallback(m.dequantize().to(act), m.packed(), rt["library"].fallback_gemm)
     tmod: ModuleType = rt["target"]
-    tmod._sequential_prefill = lambda device, dk: sequential  # True: the CUDA prefill path, gdn_prefill
+    # the CUDA prefill path (gdn_prefill) or the torch chunk form; both hooks, so older REFs follow too
+    tmod._prefill_form = lambda device, dk: "sequential" if sequential else "torch"
+    tmod._sequential_prefill = lambda device, dk: sequential
     real = tmod.__dict__.setdefault("_real_gdn_prefill", tmod.gdn_prefill)
 
     def gdn_prefill(*a: Any, **kw: Any) -> torch.Tensor:

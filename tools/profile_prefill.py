@@ -1,8 +1,9 @@
 """Where a prefill's time goes (torch.profiler, CUDA + CPU): a few layers of the Qwen3.8-27B-shaped
 synthetic target, one 1023-token prompt (eager prefill is host-bound when CPU time >> CUDA time).
-``--gdn chunk`` profiles the GDN layers in the old chunk (matrix) form instead of the sequential
-prefill kernel (``DFLASHGEN_GDN_PREFILL=chunk``), for before / after.
-    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn kernel|chunk]"""
+``--gdn chunked`` profiles the GDN layers on the generated chunk-form kernels, ``--gdn torch`` in the
+torch chunk (matrix) form, instead of the sequential prefill kernel (``DFLASHGEN_GDN_PREFILL``), for
+before / after.
+    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn sequential|chunked|torch]"""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1023)
-    ap.add_argument("--gdn", choices=("kernel", "chunk"), default="kernel",
-                    help="GDN prefill: the sequential prefill kernel (default) or the chunk form")
+    ap.add_argument("--gdn", choices=("sequential", "chunked", "torch"), default="sequential",
+                    help="GDN prefill: the sequential prefill kernel (default), the chunk-form kernels or the "
+                         "torch chunk form")
     a = ap.parse_args()
-    if a.gdn == "chunk":
-        os.environ["DFLASHGEN_GDN_PREFILL"] = "chunk"
+    os.environ["DFLASHGEN_GDN_PREFILL"] = a.gdn
     d = tempfile.mkdtemp()
     write_synthetic(d, None, a.layers, None, seed=0, device="cuda")
     target = load_target(d, device="cuda")
