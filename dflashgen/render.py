@@ -60,7 +60,7 @@ def render_kernel(spec: KernelSpec) -> str:
         x_ahead=spec.tile.x_ahead, x_smem=spec.tile.x_smem, wsplit=spec.tile.wsplit, ctas_k=spec.ctas_k,
         w_async=spec.tile.w_async, l2_ahead=spec.tile.l2_ahead, serial=spec.tile.serial,
         producer=spec.tile.producer, wgc=spec.tile.wgc, x_ring=spec.tile.x_ring,
-        w_warps=spec.tile.w_warps, z_split=spec.tile.z_split, w_self=spec.tile.w_self, persist=spec.tile.persist,
+        w_warps=spec.tile.w_warps, z_split=spec.tile.z_split, w_self=spec.tile.w_self, persist=spec.tile.persist, pair=spec.tile.pair,
         pw_min_blocks=max(1, spec.launch_min_blocks),
         traits="Sm80Traits" if spec.fam == "sm80" else "Sm70Traits",
         format_enum="NVFP4" if spec.fmt == "nvfp4" else "FP8",

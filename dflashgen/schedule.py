@@ -125,6 +125,11 @@ class Tile:
     # one CTA per block runs as a second, mostly empty wave), whose workers' sums meet through FP32
     # partials in worker order (the plan's fold: its bits). For N tilings of P + 1 .. P + P / workers blocks
     persist: int = 0
+    # 1: a w_self wgc tile (not persist) whose consumers take K groups in pairs (names `_pr1`): both
+    # groups' waits first, then their two decodes in one basic block (independent chains the scheduler
+    # can interleave), then their wgmmas as one batch, retired one pair later -- the same MMAs into the
+    # same accumulators in the same order, so the plan's bits; two more A fragment buffers
+    pair: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,7 @@ class KernelSpec:
                 f"{'_sw1' if t.serial else ''}{f'_pw{t.producer}' if t.producer else ''}{'_wc1' if t.wgc else ''}"
                 f"{f'_xr{t.x_ring}' if t.wgc else ''}{f'_ww{t.w_warps}' if t.w_warps > 1 else ''}"
                 f"{'_zs1' if t.z_split else ''}{'_wsf1' if t.w_self else ''}{f'_ps{t.persist}' if t.persist else ''}"
-                f"_mb{t.min_blocks}")
+                f"{'_pr1' if t.pair else ''}_mb{t.min_blocks}")
 
     @property
     def problem_key(self) -> str:
@@ -263,8 +268,8 @@ class KernelSpec:
         # the weight ring: 4 + 1 registers per stage and warp tile (w_async: in shared memory)
         pipeline = (1 if self.tile.w_async else self.tile.stages) * self.tile.warp_nt * 5
         n8 = self.tile.rows // 8
-        if self.tile.wgc:  # two A fragment buffers, the stage descriptors, barrier and fold addresses
-            return acc + 2 * a_frag + 40
+        if self.tile.wgc:  # two (pair: four) A fragment buffers, the stage descriptors, barrier and fold addresses
+            return acc + (4 if self.tile.pair else 2) * a_frag + 40
         if self.kplan.wgmma:  # A fragments (x2: generous), descriptors; no activation registers
             chunks = -(-self.tile.rows * self.kplan.k_group // 8 // 128)
             return acc + 2 * a_frag + pipeline + 3 * chunks + 40
@@ -284,7 +289,7 @@ class KernelSpec:
         # Optional tile fields are written only when set, so the entries of tiles that predate a field
         # keep their form (and the library hash its value) when the field is added.
         for f in ("wsplit", "w_async", "l2_ahead", "serial", "producer", "wgc", "x_ring", "w_warps", "z_split",
-                  "w_self", "persist"):
+                  "w_self", "persist", "pair"):
             if not tile[f]:
                 del tile[f]
         d = {
@@ -461,6 +466,10 @@ def illegal_reason(spec: KernelSpec) -> str | None:
         if not 0 < blocks - t.persist <= t.persist // workers:
             return (f"persist={t.persist}: {blocks} column blocks leave no rest, or more rest K workers than "
                     "CTAs (one rest item per CTA)")
+    if t.pair and (not t.w_self or t.persist or t.x_ring < 8):
+        # (two groups in flight and two being decoded: a shallower activation ring would have the
+        # consumers wait on slots they have just released)
+        return "pair: a w_self wgc tile (not persist) with an activation ring of >= 8 slots"
     if t.w_warps and (not t.wgc or t.warps_n % t.w_warps):
         return f"w_warps={t.w_warps}: the weight warps of a wgc tile, dividing its warps_n={t.warps_n} tiles"
     if t.rows % 8 or t.rows > space.max_m:
@@ -696,7 +705,8 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                         producer=extra[0] if wgc else pw, wgc=wgc, x_ring=extra[1] if wgc else 0,
                         l2_ahead=extra[2] if wgc and len(extra) > 2 else 0,
                         w_warps=extra[3] if wgc and len(extra) > 3 else 0,
-                        w_self=extra[4] if wgc and len(extra) > 4 else 0)
+                        w_self=extra[4] if wgc and len(extra) > 4 else 0,
+                        pair=extra[5] if wgc and len(extra) > 5 else 0)
             c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
             # (wgc_z_split: each wgc shape of a split-K plan also with one CTA per split, `_zs1`)
             zs = wgc and 1 in space.tiles.get("wgc_z_split", [])

@@ -43,6 +43,7 @@ DFLASHGEN_CFG_MEMBER(CfgWSelf, W_SELF, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgZSplit, Z_SPLIT, bool, false)
 DFLASHGEN_CFG_MEMBER(CfgWWarps, W_WARPS, int, 1)
 DFLASHGEN_CFG_MEMBER(CfgPersist, PERSIST, int, 0)
+DFLASHGEN_CFG_MEMBER(CfgPair, PAIR, bool, false)
 template <class Cfg>
 struct PwBaseCfg : Cfg {
   static constexpr int STAGES = Cfg::STAGES < PAD_GROUPS ? Cfg::STAGES : PAD_GROUPS;
@@ -88,7 +89,15 @@ struct SkinnyGemmPw {
   // G + G / WORKERS groups instead of 2 G; its rings run on across the two walks (ring positions
   // G .. G + LW - 1 are the rest item's groups).
   static constexpr int PS = CfgPersist<Cfg>::value;
+  // WGC PAIR (names `_pr1`; W_SELF, not PS): the consumers take K groups in pairs -- the copies of both
+  // landed, both decoded in one basic block (two independent LDS -> decode chains the scheduler can
+  // interleave, where one group's chain left the warp waiting on its own latencies: session 26's
+  // one-warpgroup CTA took as long per group as three), then their wgmmas as one batch, retired one pair
+  // later. The same MMAs into the same accumulators in the same order: the plan's bits. Four A fragment
+  // buffers; an activation ring of >= 8 slots (two groups in flight, two decoded, the next staging).
+  static constexpr bool PAIR = CfgPair<Cfg>::value;
   static constexpr int NCB = (TILES + WN - 1) / WN, REST = PS > 0 ? NCB - PS : 0, LW = G / WORKERS;
+  static_assert(!PAIR || (WGC && WSELF && !PS && XR >= 8 && ST >= 4), "PAIR: self-copying wgc tiles, not persist");
   static_assert(!PS || (WGC && WSELF && !ZS && Cfg::SPLIT_K == 1 && WORKERS >= 2 && G % WORKERS == 0 && REST > 0 &&
                         REST * WORKERS <= PS && LW >= ST),
                 "PERSIST: self-copying wgc tiles of a one-split plan of >= 2 K workers, one rest item per CTA");
@@ -454,7 +463,7 @@ struct SkinnyGemmPw {
     const uint64_t desc0 = L::desc_base() + (((sb + x_at(0)) >> 4) & 0x3FFF);
     const uint32_t desc0_lo = static_cast<uint32_t>(desc0);
     const uint64_t desc0_hi = desc0 & ~uint64_t{0xFFFFFFFFu};
-    typename T::Frag frag[2];
+    typename T::Frag frag[PAIR ? 4 : 2];
     // (ring slots and phases from unsigned group positions in the CTA's range: a shift and a mask where
     // the depth is a power of 2)
     // W_SELF: this lane's sources of ring position ST - 1; load(a) copies position a + ST - 1
@@ -561,11 +570,101 @@ struct SkinnyGemmPw {
         step(IntC<0>{}, IntC<true>{}, src_c, a);
       }
     };
+    // PAIR: positions [a, a + 1) both landed (copies and activations), decoded into f0 / f1 in one
+    // basic block; refills positions a + ST - 1 and a + ST (one commit group each, as two loads would)
+    auto load2 = [&](const unsigned a, typename T::Frag& f0, typename T::Frag& f1) {
+      cp_async_wait<ST - 3>();  // this lane's copies of positions a and a + 1 have landed ...
+      __syncwarp();             // ... and lanes 0-3's scale chunks
+      const char* st0 = smem + (a % ST) * STAGE;
+      const char* st1 = smem + ((a + 1) % ST) * STAGE;
+      const uint4 w0 = lds128(reinterpret_cast<const uint4*>(st0 + W_OFF) + wn * 32 + lane);
+      const uint4 w1 = lds128(reinterpret_cast<const uint4*>(st1 + W_OFF) + wn * 32 + lane);
+      Scale s0 = 0, s1 = 0;
+      if constexpr (NVFP4) {
+        s0 = reinterpret_cast<const Scale*>(st0 + S_OFF + wn * 64)[T::scale_index()];
+        s1 = reinterpret_cast<const Scale*>(st1 + S_OFF + wn * 64)[T::scale_index()];
+      }
+      T::decode(w0, s0, f0);
+      T::decode(w1, s1, f1);
+      const int range = split_end() - split_begin();
+#pragma unroll
+      for (unsigned i = 0; i < 2; ++i) {  // slots of positions a - 1 and a (read above) <- a + ST - 1 + i
+        self_copy(smem, (a + ST - 1 + i) % ST, at_wide<512>(wnext, a + i), at_wide<64>(snext, a + i), wn, lane,
+                  static_cast<int>(a + i) + ST - 1 < range);
+        cp_async_commit();
+      }
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          cute::warpgroup_fence_operand(f0.a[ks][q]);
+          cute::warpgroup_fence_operand(f1.a[ks][q]);
+        }
+      mbar_wait(xfull(sb, a % XR), (a / XR) & 1);
+      mbar_wait(xfull(sb, (a + 1) % XR), ((a + 1) / XR) & 1);
+    };
+    unsigned released = 0;  // PAIR: activation slots of positions below this are released
+    auto release_to = [&](const unsigned end) {
+#pragma unroll 1
+      for (; released < end; ++released) mbar_arrive(xempty(sb, released % XR));
+    };
+    // PAIR: the wgmmas of the n (1 or 2) groups from position a on frag[f], frag[f + 1] as one batch; then
+    // the previous batch retired (LAST: everything) and its activation slots released
+    auto issue = [&](auto f_c, auto n_c, auto last_c, const unsigned a) {
+      constexpr int f = decltype(f_c)::value, n = decltype(n_c)::value;
+      fence_acc();
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int i = 0; i < n; ++i) {
+        const uint32_t lo = desc0_lo + ((a + i) % XR) * (X_BYTES >> 4);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks)
+          wgmma_rs<Cfg::ROWS>(frag[f + i].a[ks], desc0_hi | (lo + ks * (L::KSTEP >> 4)), acc[0]);
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (decltype(last_c)::value) cute::warpgroup_wait<0>();
+      else cute::warpgroup_wait<1>();
+      fence_acc();
+      release_to(a);
+    };
+    // PAIR: positions [gb, ge) (>= 2): pairs on fragment buffers {0, 1} and {2, 3} in turn, the next pair
+    // decoded while this one's wgmmas run; the tail (2-5 groups) spelled out
+    auto walk_pair = [&](const int gb, const int ge) {
+      unsigned a = gb;
+      load2(a, frag[0], frag[1]);
+#pragma unroll 1
+      for (; static_cast<int>(a) + 6 <= ge; a += 4) {
+        issue(IntC<0>{}, IntC<2>{}, IntC<false>{}, a);
+        load2(a + 2, frag[2], frag[3]);
+        issue(IntC<2>{}, IntC<2>{}, IntC<false>{}, a + 2);
+        load2(a + 4, frag[0], frag[1]);
+      }
+      const int rest = ge - static_cast<int>(a);  // 2 .. 5, positions a and a + 1 decoded in frag[0], frag[1]
+      if (rest == 2) {
+        issue(IntC<0>{}, IntC<2>{}, IntC<true>{}, a);
+        return;
+      }
+      issue(IntC<0>{}, IntC<2>{}, IntC<false>{}, a);
+      if (rest == 3) {
+        load(IntC<0>{}, a + 2, frag[2]);
+        issue(IntC<2>{}, IntC<1>{}, IntC<true>{}, a + 2);
+        return;
+      }
+      load2(a + 2, frag[2], frag[3]);
+      if (rest == 4) {
+        issue(IntC<2>{}, IntC<2>{}, IntC<true>{}, a + 2);
+        return;
+      }
+      issue(IntC<2>{}, IntC<2>{}, IntC<false>{}, a + 2);
+      load(IntC<0>{}, a + 4, frag[0]);
+      issue(IntC<0>{}, IntC<1>{}, IntC<true>{}, a + 4);
+    };
     // the workers this CTA walks (ZS: split blockIdx.z's), their ranges as ring positions from a0
     const int vb = ZS ? blockIdx.z * Cfg::WARPS_K : 0, ve = ZS ? vb + Cfg::WARPS_K : WORKERS, a0 = split_begin();
 #pragma unroll 1
     for (int v = vb; v < ve; ++v) {
-      walk(IntC<PS ? 2 : 0>{}, v * G / WORKERS - a0, (v + 1) * G / WORKERS - a0);
+      if constexpr (PAIR) walk_pair(v * G / WORKERS - a0, (v + 1) * G / WORKERS - a0);
+      else walk(IntC<PS ? 2 : 0>{}, v * G / WORKERS - a0, (v + 1) * G / WORKERS - a0);
       if constexpr (SPL) {
         Base::fold_worker(acc, v, wn, lane, fold_view(smem));
       } else {
