@@ -73,6 +73,22 @@ __device__ __forceinline__ void fma4(float a, float4 b, float (&acc)[4]) {
   acc[3] = __fmaf_rn(a, b.w, acc[3]);
 }
 
+// x[r] += k[r] wu for this thread's RPT state rows (k: those rows of one position's key, in shared
+// memory; one float4 when RPT = 4): step D's rank-1 update, one fma per element.
+template <int RPT>
+__device__ __forceinline__ void add_ku(const float* k, float4 wu, float (&x)[RPT][4]) {
+  float kv[RPT];
+  if constexpr (RPT == 4) {
+    const float4 k4 = ld4(k);
+    kv[0] = k4.x, kv[1] = k4.y, kv[2] = k4.z, kv[3] = k4.w;
+  } else {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) kv[r] = k[r];
+  }
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) fma4(kv[r], wu, x[r]);
+}
+
 // Rows [0, L) of DK floats of key head kh from x [B, T, Hk, DK] (rows t0 + t) into dst[t][0, DK)
 // (16-byte copies, cp.async on sm_80+), rows [L, C) zero-filled.
 template <int DK, int C, int THREADS, int LD>
@@ -209,17 +225,7 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
     for (int i = 0; i < end; ++i) {
       const float w = expf(__fsub_rn(ge, sm.gs[i]));
       const float4 u = ld4(&sm.us[i][4 * cg]);
-      const float4 wu = make_float4(__fmul_rn(w, u.x), __fmul_rn(w, u.y), __fmul_rn(w, u.z), __fmul_rn(w, u.w));
-      float kv[RPT];
-      if constexpr (RPT == 4) {
-        const float4 k4 = ld4(&kc[i][d0]);
-        kv[0] = k4.x, kv[1] = k4.y, kv[2] = k4.z, kv[3] = k4.w;
-      } else {
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) kv[r] = kc[i][d0 + r];
-      }
-#pragma unroll
-      for (int r = 0; r < RPT; ++r) fma4(kv[r], wu, x[r]);
+      add_ku(kc[i] + d0, make_float4(__fmul_rn(w, u.x), __fmul_rn(w, u.y), __fmul_rn(w, u.z), __fmul_rn(w, u.w)), x);
     }
   };
 
@@ -344,19 +350,7 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) sr[r][e] = __fmul_rn(eg_end, sr[r][e]);
 #pragma unroll 4
-      for (int i = 0; i < L; ++i) {
-        const float4 wu = ld4(&sm.ws[i][4 * cg]);
-        float kv[RPT];
-        if constexpr (RPT == 4) {
-          const float4 k4 = ld4(&kc[i][d0]);
-          kv[0] = k4.x, kv[1] = k4.y, kv[2] = k4.z, kv[3] = k4.w;
-        } else {
-#pragma unroll
-          for (int r = 0; r < RPT; ++r) kv[r] = kc[i][d0 + r];
-        }
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) fma4(kv[r], wu, sr[r]);
-      }
+      for (int i = 0; i < L; ++i) add_ku(kc[i] + d0, ld4(&sm.ws[i][4 * cg]), sr);
     }
     if (keep == t0 + L) store_state(sr);
     __syncthreads();  // every thread is done with this chunk's P, ss, k, u, v / r, g before they are refilled
