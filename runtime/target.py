@@ -23,7 +23,8 @@ or the accepted length, so a verify round rolled back to n equals n one-token st
 inputs not armed for rollback (prefill) take the same sequential path on CUDA through the family's
 prefill kernel (:func:`~.gdn_kernel.gdn_prefill`: any T in one launch per layer, the step's
 roundings), or with ``DFLASHGEN_GDN_PREFILL=chunked`` through the generated chunk-form kernels
-(:func:`~.gdn_kernel.gdn_prefill_chunked`: faster, ~1e-6 from those bits, still per request); on CPU,
+(:func:`~.gdn_kernel.gdn_prefill_chunked`: ~1e-7 from those bits, still per request; ~10% faster per
+GDN layer on the H200, nothing end to end, so opt-in); on CPU,
 where no prefill kernel exists for the key dim, or armed (``checkpoint``) for more than 16 positions
 they run in the torch matrix (chunk) form, which rounds per chunk.
 Forward and rollback use static shapes, update the state in place and never sync with the host
@@ -804,7 +805,8 @@ class TargetModel(torch.nn.Module):
         else:
             cat = torch.cat(parts, dim=1).transpose(1, 2)
         if t <= _SMALL_CHUNK or (not keep and _prefill_form(x.device, dk) != "torch"):
-            # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness)
+            # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness), or
+            # for a prefill the chunk-form kernels where $DFLASHGEN_GDN_PREFILL asks for them
             o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay)
         else:
             bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
