@@ -73,6 +73,7 @@ from .target import PREFILL_FORMS, NonLinearWeights, TargetModel, dequantized_pr
 __all__ = [
     "BATCHES",
     "DEFAULT_ACCEPTANCE",
+    "EFFICIENCY_GATES",
     "OFFICIAL",
     "TINY",
     "BenchConfig",
@@ -82,6 +83,7 @@ __all__ = [
     "load_target",
     "main_decode_bench",
     "main_demo",
+    "plot_report",
     "run_decode_bench",
     "run_demo",
 ]
@@ -92,6 +94,8 @@ MAX_BATCH = 8
 OFFICIAL = SamplingParams(temperature=1.0, top_p=0.95, top_k=20)  # Qwen3.8's official sampling
 DRAFTERS = ("replay", "dflash", "ngram")
 PHASE_NAMES = {"target": "target forward", "sample": "sampling+state", "draft": "draft", "host": "host"}
+# the endpoint's ideal-efficiency gates (issue 5), drawn on decode_bench.png
+EFFICIENCY_GATES = {2: 0.80, 4: 0.70, 8: 0.60}
 # The 4-layer hybrid of tests/test_spec_decode.py (GDN, full, GDN, full): the demo's CPU-sized default.
 TINY: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -582,11 +586,69 @@ def format_markdown(report: dict[str, Any]) -> str:
             "(B x tok/s(B1)).\n")
 
 
+def plot_report(report: dict[str, Any], path: str | Path) -> bool:
+    """decode_bench.png: per B, where the wall clock goes (rounds x each phase's median, and the time
+    outside the rounds: prefills and round-to-round spread) against the wall an ideal B-fold speedup
+    of B1 and each efficiency gate allow; and ideal / rounds-only efficiency against the gates.
+    False (no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = report["rows"]
+    bs = [r["B"] for r in rows]
+    x = list(range(len(rows)))
+    fig, (wall, eff) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(rows)
+    parts = [(f"median_{p}_ms", name) for p, name in PHASE_NAMES.items()]
+    for key, name in [*parts, ("outside_rounds_s", "outside rounds (prefill, spread)")]:
+        secs = [(r[key] if key == "outside_rounds_s" else r["rounds"] * r[key] / 1e3) or 0.0 for r in rows]
+        wall.bar(x, secs, bottom=bottom, label=name, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, secs, strict=True)]
+    b1 = next((r for r in rows if r["B"] == 1), None)
+    if b1 is not None:
+        ideal = [b1["wall_s"] * r["output_tokens"] / (b1["output_tokens"] * r["B"]) for r in rows]
+        wall.scatter(x, ideal, marker="_", s=900, color="k", zorder=3, label="ideal (B1 wall / B)")
+        gated = [(i, w / EFFICIENCY_GATES[r["B"]]) for i, (r, w) in enumerate(zip(rows, ideal, strict=True))
+                 if r["B"] in EFFICIENCY_GATES]
+        if gated:
+            wall.scatter(*zip(*gated, strict=True), marker="_", s=900, color="red", zorder=3, label="gate's wall")
+    wall.set_xticks(x, [f"B{b}" for b in bs])
+    wall.set_ylabel("wall clock (s)")
+    wall.set_title("where the wall clock goes")
+    wall.legend(fontsize=7)
+    for key, name, style in (("ideal_efficiency", "ideal efficiency", "o-"),
+                             ("rounds_efficiency", "rounds only", "s--")):
+        pts = [(r["B"], 100 * r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            eff.plot(*zip(*pts, strict=True), style, label=name)
+    eff.scatter(list(EFFICIENCY_GATES), [100 * g for g in EFFICIENCY_GATES.values()], marker="x", s=80,
+                color="red", zorder=3, label="gates")
+    eff.set_xscale("log", base=2)
+    eff.set_xticks(bs, [str(b) for b in bs])
+    eff.set_xlabel("B (requests in flight)")
+    eff.set_ylabel("% of B x tok/s(B1)")
+    eff.set_title("batch efficiency")
+    eff.grid(True, alpha=0.3)
+    eff.legend(fontsize=7)
+    title = f"decode-bench, TP{report.get('tp', 1)}, mean accepted length {rows[0]['accepted_length']:.2f}"
+    fig.suptitle(title + (" (SYNTHETIC acceptance)" if report.get("synthetic_acceptance") else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(report: dict[str, Any], out: str | Path) -> None:
+    """decode_bench.json, decode_bench.md and (with matplotlib) decode_bench.png in ``out``."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     (d / "decode_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (d / "decode_bench.md").write_text(format_markdown(report))
+    plot_report(report, d / "decode_bench.png")
 
 
 # --------------------------------------------------------------------------- demo

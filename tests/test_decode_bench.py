@@ -5,6 +5,7 @@ plain decoding, the acceptance-rate formula, the demo, and argument errors."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from dflashgen.runtime.decode_bench import (
     main_decode_bench,
     main_demo,
     make_prompts,
+    plot_report,
+    write_report,
 )
 from dflashgen.runtime.spec_decode import plain_greedy
 
@@ -81,10 +84,27 @@ def test_greedy_replay_bench(tmp_path: Path, tiny_json: Path) -> None:
     md = (tmp_path / "out" / "decode_bench.md").read_text()
     assert "prefill (share of wall)" in md and f"{rows[0]['prefill_s']:.2f} s (" in md
     assert "rounds-only efficiency" in md and f"{100 * rows[1]['rounds_efficiency']:.1f}%" in md
+    assert (tmp_path / "out" / "decode_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the wall-clock plot
     # Greedy speculative decoding is lossless: request 0 equals plain one-token-per-forward decoding.
     target = load_target(ckpt)
     prompt = make_prompts(P, L, target.cfg.vocab_size, 0)[0]
     assert rows[0]["output_0"] == rows[1]["output_0"] == plain_greedy(target, prompt, O)
+
+
+def test_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON and Markdown report need nothing else; the plot is skipped (not an error) where
+    matplotlib is missing."""
+    row = {"B": 1, "output_tok_s": 10.0, "vs_b1": 1.0, "ideal_efficiency": 1.0, "p50_ttft_ms": 1.0,
+           "p50_tpot_ms": 1.0, "accepted_length": 4.0, "completed": 1, "requests": 1, "rounds": 2,
+           "output_tokens": 8, "wall_s": 0.8, "prefill_s": 0.1, "outside_rounds_s": 0.1, "rounds_efficiency": 1.0,
+           **{f"median_{p}_ms": 100.0 for p in ("target", "sample", "draft", "host")}}
+    report = {"header": "h", "command": "c", "rows": [row], "tp": 1}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert not plot_report(report, tmp_path / "x.png")
+    write_report(report, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "decode_bench.json").read_text()) == report
+    assert "| 1 | 10.00 |" in (tmp_path / "out" / "decode_bench.md").read_text()
+    assert not (tmp_path / "out" / "decode_bench.png").exists()
 
 
 def test_sampled_bench_ngram(tmp_path: Path, tiny_json: Path) -> None:
