@@ -13,8 +13,8 @@ dflashgen build --arch 90 -j "$(nproc)" -q 2>&1 | tail -3
 echo "== overhead"; dflashgen overhead --out "$R/overhead.json" 2>&1 | tee "$R/overhead.txt" | tail -22
 echo "== prefill profile"
 timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} 2>&1 | tee "$R/profile-prefill.txt" | head -60
-echo "== prefill profile, GDN in the old chunk form (before / after)"
-timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} --gdn chunk 2>&1 \
+echo "== prefill profile, GDN in the torch chunk form (before / after)"
+timeout 240 python3 tools/profile_prefill.py --layers ${PREFILL_LAYERS:-4} --gdn torch 2>&1 \
   | tee "$R/profile-prefill-chunk.txt" | head -30
 ncu_gemms "$R" "${KERNELS:-}"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
