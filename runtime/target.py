@@ -804,10 +804,11 @@ class TargetModel(torch.nn.Module):
             cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
         else:
             cat = torch.cat(parts, dim=1).transpose(1, 2)
-        if t <= _SMALL_CHUNK or (not keep and _prefill_form(x.device, dk) != "torch"):
+        form = "step" if t <= _SMALL_CHUNK else "torch" if keep else _prefill_form(x.device, dk)
+        if form != "torch":
             # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness), or
             # for a prefill the chunk-form kernels where $DFLASHGEN_GDN_PREFILL asks for them
-            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay)
+            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay, chunked=form == "chunked")
         else:
             bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
             o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
@@ -827,9 +828,11 @@ class TargetModel(torch.nn.Module):
                                    nk, dk, nv, dv)
 
     def _gdn_steps(self, i: int, cat: Tensor, zba: Tensor, state: DecodeState, n_new: Tensor | None,
-                   keep: bool, io: bool, replay: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                   keep: bool, io: bool, replay: tuple[Tensor, Tensor] | None = None,
+                   chunked: bool = False) -> Tensor:
         """T <= 16 positions through :func:`~.gdn_kernel.gdn_step` (the generated kernel on CUDA), an
-        unarmed T > 16 (prefill) through :func:`~.gdn_kernel.gdn_prefill` (one launch, commit only):
+        unarmed T > 16 (prefill) through :func:`~.gdn_kernel.gdn_prefill` (one launch, commit only;
+        ``chunked``: :func:`~.gdn_kernel.gdn_prefill_chunked` instead, the caller's choice of form):
         position by position, so any T, batch and accepted length round exactly like one-token
         decoding. The conv is an explicit W-tap sum in a fixed order (no cuDNN algorithm choice per
         shape). Armed (``keep``, T <= 16): the state stays, k / u / decays go to the stacked rollback
@@ -861,7 +864,7 @@ class TargetModel(torch.nn.Module):
         s0 = state.ssm[i]
         if t <= _SMALL_CHUNK:
             o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
-        elif _prefill_form(s0.device, dk) == "chunked":
+        elif chunked:
             o = gdn_prefill_chunked(s0, q, k, v, beta, log_decay, n=n_new)  # in place: prep + scan
         else:
             o = gdn_prefill(s0, q, k, v, beta, log_decay, n=n_new)  # in place, one launch
