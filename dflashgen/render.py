@@ -32,8 +32,9 @@ MANIFEST = "manifest.json"
 # Kernel families beside the skinny GEMMs: family name -> module exposing
 # ``family_kernels() -> list[FamilyKernel]``. Their entries land in manifest["families"][name]
 # and are built by `dflashgen build` like any kernel; verify/tune of the GEMMs never see them.
-FAMILY_MODULES: dict[str, str] = {"attention": "dflashgen.attention_family", "gdn": "dflashgen.gdn_family",
-                                  "norm": "dflashgen.norm_family", "rejection": "dflashgen.rejection"}
+FAMILY_MODULES: dict[str, str] = {"attention": "dflashgen.attention_family", "dequant": "dflashgen.dequant_family",
+                                  "gdn": "dflashgen.gdn_family", "norm": "dflashgen.norm_family",
+                                  "rejection": "dflashgen.rejection"}
 MMA_NAME = {"sm70": "mma.sync.m8n8k4 / HMMA.884", "sm80": "mma.sync.m16n8k16 / HMMA.16816"}
 WGMMA_NAME = "wgmma.m64nNk16, A from registers, B from shared memory / HGMMA; sm_90a"
 
