@@ -63,6 +63,7 @@ import torch.distributed as dist
 from dflashgen.deployment import load_deployment
 from dflashgen.model import ModelConfig, load_model_config, parse_model_config
 
+from .dequant_kernel import parse_budget
 from .drafter import BlockDrafter, DFlashDrafter, DrafterConfig, StaticDFlashDrafter, block_drafter_cost
 from .parallel import RowParallel, TPContext, init_tp
 from .sampling import SamplingParams
@@ -430,6 +431,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
         clock = _Clock()
         dec.observer = clock
+        if target.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(target.device)
         outs = dec.generate(prompts, params, cfg.output_len, seed=cfg.seed)
         # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
         dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
@@ -457,6 +460,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
             **{f"median_{p}_ms": s[f"median_{p}_ms"] for p in PHASE_NAMES},
             "median_prefill_queue_ms": s["median_prefill_ms"],  # host time queuing overlapped layers
             "output_0": outs[0],
+            **_memory(target),
         }
         # What the rounds alone explain (rounds x the sum of the phase medians) and what they leave:
         # the prefills of joining requests (stalling or overlapped) and round-to-round spread.
@@ -476,6 +480,20 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         if on_row is not None:
             on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
     return _report(target, cfg, label, rows, dec_info, command, max_len)
+
+
+def _budget_text(budget: int | str | None) -> str:
+    return "all kept" if budget is None else "auto" if budget == "auto" else f"at most {int(budget) / 2**30:g} GiB"
+
+
+def _memory(target: TargetModel) -> dict[str, float | None]:
+    """GiB: the run's peak of allocated GPU memory, and the dequantized weight copies the library keeps
+    for its dequantize + cuBLAS path (``dequant_cache``); None off the GPU."""
+    if target.device.type != "cuda":
+        return {"peak_gpu_gib": None, "dequant_kept_gib": None}
+    lib = target.library
+    return {"peak_gpu_gib": torch.cuda.max_memory_allocated(target.device) / 2**30,
+            "dequant_kept_gib": lib.dequantized.bytes / 2**30 if lib is not None else None}
 
 
 def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[str, Any]],
@@ -501,7 +519,9 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
               f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling"
               + (f"; overlapped prefill leaves {cfg.prefill_sm_carveout} SMs to the rounds (cuBLAS carveout)"
                  if cfg.prefill_sm_carveout else "")
-              + f"; GDN prefill {os.environ.get('DFLASHGEN_GDN_PREFILL') or 'sequential'}")
+              + f"; GDN prefill {os.environ.get('DFLASHGEN_GDN_PREFILL') or 'sequential'}"
+              + (f"; dequantized weight copies: {_budget_text(target.library.dequantized.budget)}"
+                 if target.library is not None else ""))
     note = None
     if cfg.synthetic_acceptance:
         note = (f"SYNTHETIC ACCEPTANCE (benchmark only): each draft's accept/reject decision under sampled "
@@ -554,6 +574,9 @@ def format_table(report: dict[str, Any]) -> str:
     ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
     if ar:
         cols.append("all-reduce/round")
+    mem = any(r.get("peak_gpu_gib") is not None for r in report["rows"])
+    if mem:
+        cols.append("peak GPU memory (dequantized copies)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in report["rows"]:
         eff = None if r["ideal_efficiency"] is None else 100 * r["ideal_efficiency"]
@@ -566,6 +589,9 @@ def format_table(report: dict[str, Any]) -> str:
                  _fmt(r.get("outside_rounds_s"), ".2f", " s")]
         if ar:
             cells.append(_fmt(r.get("allreduce_ms_per_round"), ".2f", " ms"))
+        if mem:
+            kept = _fmt(r.get("dequant_kept_gib"), ".1f", " GiB")
+            cells.append(f"{_fmt(r.get('peak_gpu_gib'), '.1f', ' GiB')} ({kept})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -583,7 +609,9 @@ def format_markdown(report: dict[str, Any]) -> str:
             "(prefills, stalling or overlapped, and round-to-round spread). "
             "TTFT runs from a request's admission (B requests in flight, prefill included) to its first "
             "token; TPOT = (t_last - t_first) / (n - 1) per request. Ideal efficiency = tok/s(B) / "
-            "(B x tok/s(B1)).\n")
+            "(B x tok/s(B1)). Peak GPU memory: allocated by torch during the measured run at that B; in "
+            "brackets the dequantized FP16 weight copies the dequantize + cuBLAS path keeps "
+            "(--dequant-cache).\n")
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> bool:
@@ -751,6 +779,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "the chunk-form kernels (~1e-7 from those bits; ~10%% faster per GDN layer on the H200) or the "
                         "torch chunk form "
                         "(sets $DFLASHGEN_GDN_PREFILL)")
+    p.add_argument("--dequant-cache", default=None, metavar="SIZE",
+                   help="bytes of dequantized FP16 weight copies the dequantize + cuBLAS path (prefill) may keep: "
+                        "auto (default: while 20%% of the GPU stays free), all, 0 (one per call: no FP16 model "
+                        "in memory), or a size such as 12GiB (sets $DFLASHGEN_DEQUANT_CACHE)")
     p.add_argument("--sampled-drafts", action="store_true",
                    help="block drafter: sampled requests draw their drafts from the drafter's distribution and "
                         "verification uses it (q); default: argmax drafts, verified without draft probabilities "
@@ -798,6 +830,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
     if args.gdn_prefill:  # before any target exists (TP ranks inherit it)
         os.environ["DFLASHGEN_GDN_PREFILL"] = args.gdn_prefill
+    if args.dequant_cache is not None:
+        try:
+            parse_budget(args.dequant_cache)
+        except ValueError as e:
+            print(f"decode-bench: error: {e}", file=sys.stderr)
+            return 2
+        os.environ["DFLASHGEN_DEQUANT_CACHE"] = args.dequant_cache
     command = os.environ.get("DFLASHGEN_BENCH_COMMAND") or "dflashgen " + shlex.join(argv)
     world = _env_world()
     ctx: TPContext | None = None

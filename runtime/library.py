@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from dflashgen import __version__
-from dflashgen.prepack import Layout, PackedWeight, prepack, unpack
-from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
+from dflashgen.prepack import Layout, PackedWeight, prepack
+from dflashgen.weights import FP8ChannelWeight, NVFP4Weight
 
+from .dequant_kernel import DequantCache, dequantize
 from .images import resolve
 from .kernels import GemmKernel, GemmLaunch, native_arch
 from .norm_kernel import fused_silu_mul, silu_mul_fits
@@ -102,36 +103,27 @@ def silu_mul_cat(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fallback_gemm(x: torch.Tensor, packed: PackedWeight, w16: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize + cuBLAS, correct for any M; ``w16`` is an already dequantized weight (cached)."""
-    w = dequantize_packed(packed).to(x.dtype) if w16 is None else w16
+    """Dequantize + cuBLAS, correct for any M; ``w16`` is an already dequantized weight (a kept copy),
+    else one is made for this call (:func:`~.dequant_kernel.dequantize`: one generated launch on CUDA)."""
+    w = dequantize(packed, x.dtype) if w16 is None else w16
     y = x @ w.t()
     if packed.layout.silu:
         y = silu_mul_cat(y, x.dtype)
     return y
 
 
-def dequantize_packed(packed: PackedWeight) -> torch.Tensor:
-    """FP32 weights [N, K] from a packed weight (logical row order)."""
-    payload, scales = unpack(packed)
-    lay = packed.layout
-    if lay.fmt == "nvfp4":
-        ones = torch.ones(1, device=payload.device)
-        w = NVFP4Weight(pack_nibbles(payload), scales.view(torch.float8_e4m3fn), ones, (lay.n,))
-        return w.dequantize() * (packed.col_scale / lay.decode_scale)[:, None]
-    w8 = FP8ChannelWeight(payload.view(torch.float8_e4m3fn), packed.col_scale / lay.decode_scale)
-    return w8.dequantize()
-
-
 class KernelLibrary:
     def __init__(self, device: torch.device | None = None, table: TuningTable | Path | None = None,
-                 on_mismatch: str = "error", build_dir: Path | None = None, cache_dequantized: bool = True) -> None:
+                 on_mismatch: str = "error", build_dir: Path | None = None,
+                 dequant_cache: int | str | None = None) -> None:
         """on_mismatch: 'error' raises when the table is for another GPU/library, 'fallback'
-        logs it and serves everything through the fallback path."""
+        logs it and serves everything through the fallback path. dequant_cache: how many bytes of
+        dequantized weight copies the fallback path keeps (:class:`~.dequant_kernel.DequantCache`:
+        "auto", "all", 0, "12GiB", ...; None: ``$DFLASHGEN_DEQUANT_CACHE``, else "auto")."""
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.arch = native_arch(self.device)
         self.build_dir = build_dir
-        self.cache_dequantized = cache_dequantized
-        self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dequantized = DequantCache(dequant_cache)
         self._counts: Counter[tuple[str, int, str]] = Counter()  # calls through gemm()
         self._launches: weakref.WeakSet[GemmLaunch] = weakref.WeakSet()  # prepared: they count their own calls
         self._kernels: dict[str, GemmKernel] = {}
@@ -161,16 +153,9 @@ class KernelLibrary:
                 log.warning("dflashgen: ignoring mismatched tuning table %s; using the fallback", tbl.source)
 
     def _fallback(self, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-        """cuBLAS on dequantized weights. With cache_dequantized (default), the FP16 copy is made
-        once, on first use (2 bytes per weight: the price of the buckets no kernel wins), which is
-        what the tuner timed as the cuBLAS FP16 peer; otherwise dequantize on every call."""
-        if not self.cache_dequantized:
-            return fallback_gemm(x, packed)
-        w16 = self._dequantized.get(id(packed.weights))
-        if w16 is None or w16[0] is not packed.weights:
-            w16 = (packed.weights, dequantize_packed(packed).to(x.dtype))
-            self._dequantized[id(packed.weights)] = w16
-        return fallback_gemm(x, packed, w16[1])
+        """cuBLAS on a dequantized copy of the weight: kept within the ``dequant_cache`` budget (what
+        the tuner timed as the cuBLAS FP16 peer), else made for this call."""
+        return fallback_gemm(x, packed, self.dequantized.weight(packed, x.dtype))
 
     def entries(self) -> dict[str, dict[str, Any]]:
         if self._entries is None:

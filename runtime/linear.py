@@ -22,8 +22,9 @@ import torch
 from dflashgen.prepack import Layout, PackedWeight, prepack
 from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, WeightError
 
+from .dequant_kernel import dequantize_packed
 from .kernels import GemmLaunch, overlaps
-from .library import KernelLibrary, dequantize_packed, fallback_gemm
+from .library import KernelLibrary, fallback_gemm
 
 __all__ = ["DEFAULT_ARCH", "QuantLinear", "quant_linear"]
 

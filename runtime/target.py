@@ -502,6 +502,7 @@ class TargetModel(torch.nn.Module):
         # Set by load_target(..., invariant=True) once its projections are batch-invariant: the decoder
         # then prefills joining requests one at a time (SpecDecoder._prefill) for byte-identity.
         self.batch_invariant = False
+        self.library: KernelLibrary | None = None  # from_checkpoint: the one its projections go through
         weights = shard_nonlinear(weights, cfg, self.tp, self.rank)
         lm = projections["lm_head"]
         if device is None:
@@ -567,8 +568,11 @@ class TargetModel(torch.nn.Module):
             assert ctx is not None
             device = ctx.device
             projections = wrap_projections({k: m.to(device) for k, m in projections.items()}, cfg, ctx)
-            return cls(cfg, projections, weights, device=device, act_dtype=act_dtype, ctx=ctx)
-        return cls(cfg, projections, weights, device=device, act_dtype=act_dtype)
+            target = cls(cfg, projections, weights, device=device, act_dtype=act_dtype, ctx=ctx)
+        else:
+            target = cls(cfg, projections, weights, device=device, act_dtype=act_dtype)
+        target.library = library
+        return target
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         # FP16 KV on a GPU: what the generated verify-attention kernels read (FP32 reference on CPU).

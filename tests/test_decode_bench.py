@@ -139,6 +139,7 @@ def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
     (["--top-k", "-2"], "top_k"),
     (["--acceptance", "1.5"], "acceptance"),
     (["--max-len", "20"], "exceeds max_len"),
+    (["--dequant-cache", "lots"], "dequant_cache must be"),
 ])
 def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], msg: str) -> None:
     rc = main_decode_bench([str(tmp_path / "none"), "--prompt-len", "16", "--output-len", "8", *args])

@@ -9,13 +9,14 @@
 #   PART=C ...                             # a prefill profile and the decode-loop endpoint
 #                                          # benchmark on that table. Options: TESTS="tests/..." runs
 #                                          # those GPU tests first;
-#                                          # AB="decode-bench args" also runs B4 / B8 with them (e.g.
+#                                          # AB="decode-bench args" also runs B4 / B8 (AB_BATCHES) with them (e.g.
 #                                          # AB="--prefill stall", AB="--join-group 2"); NCU_GEMMS="kernel@M ..."
 #                                          # profiles GEMM kernels (tools/ncu_kernel.py; NCU_SOURCE=1:
 #                                          # also the stalls per SASS line, tools/ncu_stalls.py);
 #                                          # (TESTS_TIMEOUT=s: their limit, default 240 s);
 #                                          # BUILD_ONLY_FILE=f builds only the kernels its regex names;
 #                                          # ATTN="attn-bench args" (or ATTN=all) runs attn-bench first;
+#                                          # DEQUANT=1 times the dequantize kernel (tools/dequant_bench.py);
 #                                          # GDN=1 times the GDN step / advance / 1023-token prefill
 #                                          # (tools/gdn_bench.py); NCU_GDN=regex: ncu of those GDN
 #                                          # kernels in a 1023-token prefill + SASS stalls;
@@ -99,6 +100,10 @@ C)
     echo "== attn-bench $ATTN"; timeout 200 dflashgen attn-bench --out "$R/attn" $ATTN 2>&1 | tail -30
     pack
   fi
+  if [ -n "${DEQUANT:-}" ]; then  # DEQUANT=1: the dequantize kernel vs torch's path and a prefill GEMM
+    echo "== dequant-bench"; timeout 200 python3 tools/dequant_bench.py --out "$R/dequant" 2>&1 | tail -16
+    pack
+  fi
   if [ -n "${GDN:-}" ]; then  # GDN=1: the GDN verify step / advance per batch (tools/gdn_bench.py)
     echo "== gdn-bench"; timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-bench.json" 2>&1 | tail -8
   fi
@@ -143,8 +148,8 @@ C)
   done
   if [ -n "${AB:-}" ]; then
     mkdir -p "$R/decode-ab"
-    echo "== decode-bench $AB (B4, B8)"
-    timeout 150 dflashgen decode-bench "$CK" --device cuda --batches 4 8 $AB --out "$R/decode-ab" 2>&1 | tail -12
+    echo "== decode-bench $AB (B ${AB_BATCHES:-4 8})"
+    timeout 150 dflashgen decode-bench "$CK" --device cuda --batches ${AB_BATCHES:-4 8} $AB --out "$R/decode-ab" 2>&1 | tail -12
   fi
   if [ -n "${NCU_GEMMS:-}" ]; then mkdir -p "$R/ncu"; ncu_gemms "$R/ncu" "$NCU_GEMMS"; fi ;;
 F)  # where a decode round's time goes: torch.profiler over steady-state rounds (tools/profile_decode.py)

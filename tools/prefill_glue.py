@@ -125,7 +125,7 @@ class OpCounter(TorchDispatchMode):
 
 class LibraryFallback(torch.nn.Module):
     """A QuantLinear as the CUDA KernelLibrary serves an M without a tuned kernel: the FP16 dequantized
-    weight ``w16`` made once (``cache_dequantized``) and ``fallback_gemm`` of the runtime under test."""
+    weight ``w16`` made once (kept by the ``dequant_cache``) and ``fallback_gemm`` of the runtime under test."""
 
     def __init__(self, w16: torch.Tensor, packed: Any, fallback: Callable[..., torch.Tensor]) -> None:
         super().__init__()
