@@ -781,8 +781,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "(sets $DFLASHGEN_GDN_PREFILL)")
     p.add_argument("--dequant-cache", default=None, metavar="SIZE",
                    help="bytes of dequantized FP16 weight copies the dequantize + cuBLAS path (prefill) may keep: "
-                        "auto (default: while 20%% of the GPU stays free), all, 0 (one per call: no FP16 model "
-                        "in memory), or a size such as 12GiB (sets $DFLASHGEN_DEQUANT_CACHE)")
+                        "auto (default: while 10%% of the GPU, >= 4 GiB, stays free), all, 0 (one per call: no "
+                        "FP16 model in memory), or a size such as 12GiB (sets $DFLASHGEN_DEQUANT_CACHE)")
     p.add_argument("--sampled-drafts", action="store_true",
                    help="block drafter: sampled requests draw their drafts from the drafter's distribution and "
                         "verification uses it (q); default: argmax drafts, verified without draft probabilities "

@@ -29,8 +29,8 @@ from dflashgen.weights import FP8ChannelWeight, NVFP4Weight, pack_nibbles
 from .driver import ArgPack, current_stream
 from .images import family_entries, load_module
 
-__all__ = ["AUTO_RESERVE", "DequantCache", "DequantInputError", "dequantize", "dequantize_packed", "kernel_arch",
-           "parse_budget"]
+__all__ = ["AUTO_RESERVE", "AUTO_RESERVE_MIN", "DequantCache", "DequantInputError", "dequantize", "dequantize_packed",
+           "kernel_arch", "parse_budget"]
 
 Tensor = torch.Tensor
 
@@ -140,7 +140,10 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float16, out: Te
 # --------------------------------------------------------------------------- the copies kept
 
 
-AUTO_RESERVE = 0.2  # "auto": keep a copy only while this fraction of the GPU's memory stays free
+# "auto": keep a copy only while this much of the GPU's memory stays free: a tenth, at least 4 GiB (on the
+# H200 the whole Qwen3.8-27B TP1 set is kept beside the decode-bench's B8 state; on a 32 GB V100 the
+# copies stop 4 GiB short of full)
+AUTO_RESERVE, AUTO_RESERVE_MIN = 0.1, 4 << 30
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -164,14 +167,15 @@ class DequantCache:
     """The dequantize + cuBLAS path's weight copies (``dtype``, ``[N, K]``), kept within a budget.
 
     ``budget`` (:func:`parse_budget`; None here: ``$DFLASHGEN_DEQUANT_CACHE``, else ``"auto"``):
-    ``"auto"`` keeps a copy while the GPU keeps :data:`AUTO_RESERVE` of its memory free (off the GPU:
-    always), ``"all"`` every copy (2 bytes per weight: an FP16 model beside the quantized one), a byte
-    count at most that many bytes, ``0`` none (a copy is made per call: the GEMM of a prefill then
-    reads ~4x its weight bytes in FP16, written just before). First come, first kept; nothing is
-    evicted, since a prefill walks every layer in turn and an LRU would miss on every call. A copy
-    goes when its packed weight is garbage-collected. Kept or not, a copy has the same bits, so the
-    budget changes speed and memory, never results. None is taken during CUDA graph capture (its
-    memory would belong to the graph's pool)."""
+    ``"auto"`` keeps a copy while the GPU keeps :data:`AUTO_RESERVE` of its memory (at least
+    :data:`AUTO_RESERVE_MIN` bytes) free as the driver counts it (off the GPU: always); ``"all"``
+    every copy (2 bytes per weight: an FP16 model beside the quantized one); a byte count at most
+    that many bytes; ``0`` none (a copy is made per call: the GEMM of a prefill then reads ~4x its
+    weight bytes in FP16, written just before). First come, first kept; nothing is evicted, since a
+    prefill walks every layer in turn and an LRU would miss on every call. A copy goes when its
+    packed weight is garbage-collected. Kept or not, a copy has the same bits, so the budget changes
+    speed and memory, never results. None is taken during CUDA graph capture (its memory would
+    belong to the graph's pool)."""
 
     def __init__(self, budget: int | str | None = None) -> None:
         self.budget = parse_budget(os.environ.get("DFLASHGEN_DEQUANT_CACHE", "auto") if budget is None else budget)
@@ -200,7 +204,7 @@ class DequantCache:
             if not w.is_cuda:
                 return True
             free, total = torch.cuda.mem_get_info(w.device)  # w is allocated: counted as used
-            return free >= AUTO_RESERVE * total
+            return free >= max(AUTO_RESERVE * total, AUTO_RESERVE_MIN)
         return self.budget is None or self.bytes + w.numel() * w.element_size() <= int(self.budget)
 
     def _drop(self, key: tuple[int, torch.dtype]) -> None:
