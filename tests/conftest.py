@@ -57,6 +57,27 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+def built_family(arch: int, only: str, count: int) -> list[tuple[Any, dict[str, Any]]]:
+    """Build the kernels ``only`` names for ``arch`` (sm_80 / sm_90 skip without nvcc: NVRTC 12.9 builds
+    sm_70 only here): ``count`` of them, none of their entry points spilling. Returns (artifact, ptxas
+    entries by entry point) per kernel, for the family's own checks."""
+    import shutil
+
+    from dflashgen.build import build
+    from dflashgen.toolchain import parse_ptxas_log
+
+    if arch != 70 and shutil.which("nvcc") is None:
+        pytest.skip(f"no nvcc for sm_{arch} (NVRTC 12.9 builds sm_70 only here)")
+    res = build([arch], only=only, progress=False)
+    assert len(res.resources()) == count
+    out = []
+    for a in res.artifacts.values():
+        entries = parse_ptxas_log(a.log.read_text())
+        assert not [n for n, r in entries.items() if r["spill_stores"] or r["spill_loads"]], entries
+        out.append((a, entries))
+    return out
+
+
 def tiny_fp32_target(out: Path, cfg: Any, deployment: str = "nvfp4") -> Any:
     """A synthetic checkpoint of ``cfg`` written to ``out``, loaded with its projections dequantized
     once into FP32 nn.Linear: same weights as the quantized model, fast and deterministic on CPU."""
