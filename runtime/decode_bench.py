@@ -474,6 +474,7 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
         row["same_as_b1"] = sum(o == r for o, r in zip(outs, b1_outputs, strict=True)) if b1_outputs else None
         row["allreduce_ms_per_round"] = _allreduce_ms(target, b * (NUM_DRAFT + 1))
         rows.append(row)
+        del dec, clock  # this B's decoder (states, graphs) goes before the next is built: a peak per B
         if log:
             log(f"B={b}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
                 f"{row['completed']}/{cfg.prompts} completed")
