@@ -11,17 +11,25 @@ from . import __version__
 
 
 def _shapes(args: argparse.Namespace) -> int:
-    from .deployment import load_deployment
+    from .deployment import WeightFormat, load_deployment
     from .model import derive_projections, load_model_config
 
     cfg = load_model_config(args.model)
     dep = load_deployment(args.deployment)
     print(f"{cfg.source}  TP{args.tp}  deployment={dep.name}")
     print(f"{'projection':<14} {'layer':<17} {'style':<7} {'N':>7} {'K':>6} {'count':>5}  {'format':<12} segments")
-    for p in derive_projections(cfg, args.tp):
+    projs = derive_projections(cfg, args.tp)
+    for p in projs:
         segs = " | ".join(f"{s.name} {s.n}" for s in p.segments) if p.fused else ""
         print(f"{p.name:<14} {p.layer_type:<17} {p.parallel:<7} {p.n:>7} {p.k:>6} {p.count:>5}  "
               f"{dep.format_for(p).value:<12} {segs}")
+    # bytes per rank: NVFP4 4.5 bits a weight with its E4M3 block scale per 16, FP8 8 (+ a scale per row)
+    bits = {WeightFormat.NVFP4: 4.5, WeightFormat.FP8_CHANNEL: 8.0, WeightFormat.FP16: 16.0}
+    quant = [p for p in projs if dep.format_for(p) != WeightFormat.FP16]
+    held = sum(p.count * p.weight_bytes(bits[dep.format_for(p)]) for p in projs)
+    copies = sum(p.count * p.weight_bytes(16) for p in quant)
+    print(f"projection weights per rank: {held / 1e9:.2f} GB as deployed; the dequantize + cuBLAS path's FP16 "
+          f"copies of the quantized ones, all kept (--dequant-cache all): {copies / 1e9:.2f} GB more")
     return 0
 
 

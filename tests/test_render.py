@@ -144,6 +144,15 @@ def test_wgmma_manifest_entries_carry_the_sm90a_target() -> None:
     assert len({p.rsplit("/", 1)[0] for p in by_problem}) == len(by_problem), "one wgmma plan per problem"
 
 
+def test_shapes_prints_the_weights_per_rank_and_the_fp16_copies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["shapes", "--tp", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # Qwen3.8-27B NVFP4 TP1: 24.35e9 weights at 4.5 bits + the FP16 lm_head; their FP16 copies 48.7 GB
+    assert "16.24 GB as deployed" in last and "48.70 GB more" in last
+    assert main(["shapes", "--tp", "4", "--deployment", "fp8"]) == 0
+    assert "12.18 GB more" in capsys.readouterr().out  # a rank's quarter of the copies
+
+
 def test_cli_reports_expected_errors_in_one_line(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     from dflashgen.cli import main
 
