@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import driver as _driver
-from .driver import TensorMapArg, current_stream
+from .driver import TensorMapArg, current_stream, pdl_enabled
 from .split_rule import SplitRule
 
 log = logging.getLogger("dflashgen")
@@ -143,7 +143,7 @@ def pdl_launch(entry: dict[str, Any]) -> bool:
     (templates/verify_attention.cu.j2), so the merge's CTAs are placed while the main kernel runs.
     Other builds (the compute_70 PTX on any GPU) have no wait and launch plainly, as does every
     kernel under DFLASHGEN_PDL=0."""
-    return int(entry["arch"]) >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
+    return pdl_enabled(int(entry["arch"]))
 
 
 _LAUNCHERS: dict[tuple[str, int], _Launcher] = {}

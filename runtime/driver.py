@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -148,6 +149,13 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def pdl_enabled(arch: int) -> bool:
+    """Whether kernels built for ``arch`` that wait with griddepcontrol.wait launch with programmatic
+    stream serialization: sm_90 builds (earlier builds -- the compute_70 PTX on any GPU -- have no
+    wait and must launch plainly), unless $DFLASHGEN_PDL is 0."""
+    return arch >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
 
 
 class TensorMapArg(ctypes.Structure):

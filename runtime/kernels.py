@@ -18,7 +18,7 @@ import torch
 
 from dflashgen.prepack import Layout, PackedWeight, family
 
-from .driver import ArgPack, Function, LaunchArgs, Module, ensure_context, stream_getter
+from .driver import ArgPack, Function, LaunchArgs, Module, ensure_context, pdl_enabled, stream_getter
 
 _F16 = torch.float16
 
@@ -108,7 +108,7 @@ class GemmKernel:
         # programmatic dependent launch: sm_90 GEMMs wait (griddepcontrol.wait) before touching
         # anything but their weights, so each may start while the previous kernel finishes and
         # prefetch its weight stream under that kernel's tail; DFLASHGEN_PDL=0 launches plainly
-        self.pdl: bool = self.arch >= 90 and os.environ.get("DFLASHGEN_PDL", "1") != "0"
+        self.pdl: bool = pdl_enabled(self.arch)
         kp = entry["kplan"]
         workers = kp["split_k"] * kp["warps_k"]
         self.prefetch_groups = l2_prefetch_groups(self.arch, self.fmt, self.n_pad, self.k,
