@@ -131,12 +131,19 @@ def _check_int(name: str, v: Any, lo: int) -> None:
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    # torch's rms_norm: one fused kernel on CUDA where the spelled-out form was five per call
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def _rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x [..., N, heads, D] rotated by the tables ``rope`` of its positions (BlockDrafter._rope_tables)."""
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
 
 
 def _lin(k: int, n: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Linear:
@@ -233,15 +240,15 @@ class BlockDrafter(torch.nn.Module):
     def _lin(self, m: torch.nn.Linear, x: Tensor) -> Tensor:
         return m(x.to(m.weight.dtype)).float()
 
-    def _rope(self, x: Tensor, pos: Tensor) -> Tensor:
-        """x [..., N, heads, D] at absolute positions pos [..., N]; full-width rotary (Qwen3)."""
+    def _rope_tables(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., N, 1, D] (FP32) of absolute positions pos [..., N]: full-width rotary (Qwen3),
+        made once per forward and shared by every layer's q and k (:func:`_rope`)."""
         d = self.cfg.head_dim
         # fp64 angles, computed here (not a buffer) so .to(fp16) cannot round them
         inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d)
         ang = pos[..., None].double() * inv_freq
         emb = torch.cat((ang, ang), -1)
-        cos, sin = emb.cos().float()[..., None, :], emb.sin().float()[..., None, :]
-        return x * cos + _rotate_half(x) * sin
+        return emb.cos().float()[..., None, :], emb.sin().float()[..., None, :]
 
     def embed(self, tokens: Tensor) -> Tensor:
         e = self._shared[0]
@@ -257,11 +264,12 @@ class BlockDrafter(torch.nn.Module):
         (taps concatenated in ``target_layers`` order) at absolute ``positions [N]``."""
         cfg = self.cfg
         fused = _rms_norm(self._lin(self.fc, hidden.float()), self.hidden_norm.weight.float(), cfg.rms_norm_eps)
+        rope = self._rope_tables(positions)
         out: KV = []
         for layer in self._layers():
             att = layer.self_attn
             k = self._lin(att.k_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            k = self._rope(_rms_norm(k, att.k_norm.weight.float(), cfg.rms_norm_eps), positions)
+            k = _rope(_rms_norm(k, att.k_norm.weight.float(), cfg.rms_norm_eps), rope)
             out.append((k, self._lin(att.v_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
@@ -273,10 +281,11 @@ class BlockDrafter(torch.nn.Module):
         cfg, (b, s, _) = self.cfg, x.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         pos = torch.tensor(list(start), dtype=torch.long, device=x.device)[:, None] + torch.arange(s, device=x.device)
+        rope = self._rope_tables(pos)
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            q, k, v = self._block_qkv(layer, h, pos)
+            q, k, v = self._block_qkv(layer, h, rope)
             o = torch.empty(b, s, nh, d, device=x.device)
             for r in range(b):  # per request over its own context: batch composition cannot change its math
                 kc, vc = context[r][li]
@@ -291,14 +300,15 @@ class BlockDrafter(torch.nn.Module):
             h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
         return _rms_norm(h, self.norm.weight.float(), eps)
 
-    def _block_qkv(self, layer: Any, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """One drafter layer's normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block."""
+    def _block_qkv(self, layer: Any, h: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafter layer's normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block (rope:
+        the block positions' tables)."""
         cfg, (b, s, _) = self.cfg, h.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         att = layer.self_attn
         y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
-        q = self._rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), pos)
-        k = self._rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), pos)
+        q = _rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), rope)
+        k = _rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), rope)
         return q, k, self._lin(att.v_proj, y).view(b, s, nkv, d)
 
     @torch.no_grad()
@@ -309,7 +319,10 @@ class BlockDrafter(torch.nn.Module):
         sync (CUDA-graph capturable); the same math as :meth:`forward_embeds` up to FP32 summation
         order. The context and the block are scored and summed as two products, so the cache (the whole
         capacity, every layer and round) is read in place: head-major, each (slot, head) is one
-        contiguous [capacity, D] matrix of a uniformly strided batch, no concatenated copy."""
+        contiguous [capacity, D] matrix of a uniformly strided batch, no concatenated copy. The
+        context products run in the cache's dtype (FP16 on CUDA: tensor cores, FP32 accumulation; the
+        scores and the softmax stay FP32), where FP32 products over the capacity were the drafter's
+        slowest kernels (a few long-K tiles on CUDA cores, ~28 us each at B1)."""
         cfg, (b, s, _) = self.cfg, x.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         g = nh // nkv
@@ -317,15 +330,17 @@ class BlockDrafter(torch.nn.Module):
         cap = context[0][0].shape[2]
         visible = torch.cat((torch.arange(cap, device=x.device) < ctx_len[:, None],
                              torch.ones(b, s, dtype=torch.bool, device=x.device)), dim=1)  # [B, cap + S]
+        rope = self._rope_tables(pos)
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            q, k, v = self._block_qkv(layer, h, pos)
+            q, k, v = self._block_qkv(layer, h, rope)
             kc, vc = context[li]  # [B, Hkv, cap, D]
             qr = q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
-            sc = torch.cat((qr @ kc.float().transpose(-1, -2), qr @ k.permute(0, 2, 3, 1)), -1)  # [B, Hkv, GS, cap + S]
+            ct = kc.dtype  # [B, Hkv, GS, cap + S] scores
+            sc = torch.cat(((qr.to(ct) @ kc.transpose(-1, -2)).float(), qr @ k.permute(0, 2, 3, 1)), -1)
             p = (sc * d**-0.5).masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # no causal mask
-            o = p[..., :cap] @ vc.float() + p[..., cap:] @ v.permute(0, 2, 1, 3)
+            o = (p[..., :cap].to(ct) @ vc).float() + p[..., cap:] @ v.permute(0, 2, 1, 3)
             o = o.view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
             h = h + self._lin(att.o_proj, o)
             y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
@@ -472,7 +487,8 @@ class StaticDFlashDrafter:
     per batch size (:class:`~dflashgen.runtime.spec_decode.SpecDecoder` drives it by slot).
 
     Per slot (the decoder's request slot, via ``assign``): context K/V of every drafter layer in a
-    preallocated head-major ``[max_batch, Hkv, capacity, D]`` cache and its length ``ctx_len``. The decoder
+    preallocated head-major ``[max_batch, Hkv, capacity, D]`` cache (the drafter's weight dtype) and its
+    length ``ctx_len``. The decoder
     stages the last verify round's tapped hidden states of all slots at once (``observe_round``:
     ``[b, T, len(taps) * H]`` with each slot's base position and kept count); the next ``propose``
     replays one step -- append the staged positions' context K/V (all T written, only the kept ones
@@ -496,8 +512,11 @@ class StaticDFlashDrafter:
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         width = len(cfg.target_layers) * cfg.target_hidden_size
         shape = (max_batch, cfg.num_kv_heads, self.capacity, cfg.head_dim)  # head-major: read in place
-        self.k = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=dev) for _ in range(cfg.num_layers)]
+        # in the drafter's weight dtype (FP16 on CUDA): half the bytes of FP32, and the block's attention
+        # over the whole capacity runs as FP16 products (forward_embeds_static)
+        ct = model.fc.weight.dtype
+        self.k = [torch.zeros(shape, device=dev, dtype=ct) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=dev, dtype=ct) for _ in range(cfg.num_layers)]
         self.ctx_len = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.hidden = torch.zeros(max_batch, self.positions, width, device=dev)
         self.h_base = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -554,8 +573,8 @@ class StaticDFlashDrafter:
         kv = m.context_kv(self.hidden[:b].reshape(b * t, -1), pos.reshape(-1))
         rows = torch.arange(b, device=dev)[:, None]
         for layer, (k, v) in enumerate(kv):  # [rows, :, pos] indexes as [b, T, Hkv, D]
-            self.k[layer][rows, :, pos] = k.view(b, t, *k.shape[1:])
-            self.v[layer][rows, :, pos] = v.view(b, t, *v.shape[1:])
+            self.k[layer][rows, :, pos] = k.view(b, t, *k.shape[1:]).to(self.k[layer].dtype)
+            self.v[layer][rows, :, pos] = v.view(b, t, *v.shape[1:]).to(self.v[layer].dtype)
         self.ctx_len[:b].copy_(self.h_base[:b] + self.h_keep[:b])
         self.h_base[:b].copy_(self.ctx_len[:b])
         self.h_keep[:b].zero_()

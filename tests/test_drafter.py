@@ -285,6 +285,26 @@ def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, bloc
     assert [r.accepted for r in st] == [r.accepted for r in dec_e.stats.rounds]  # the same drafts accepted
 
 
+def test_static_drafter_keeps_its_context_in_the_weight_dtype(model: TargetModel) -> None:
+    """An FP16 drafter (what the CUDA benchmark runs) keeps its static context K/V in FP16 and scores the
+    context with FP16 products: decoding stays lossless (greedy == plain decoding), and its drafts are
+    the FP32 drafter's where the rounding does not flip an argmax (most rounds here)."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(5, 60), _prompt(9, 61)]
+    oracle = [plain_greedy(model, p, 10) for p in prompts]
+    accepted = []
+    for dtype in (torch.float16, torch.float32):
+        block = BlockDrafter.for_target(model, DCFG, seed=7, dtype=dtype)
+        static = StaticDFlashDrafter(block, max_batch=2, max_len=32)
+        assert all(k.dtype == dtype and v.dtype == dtype for k, v in zip(static.k, static.v, strict=True))
+        dec = SpecDecoder(model, static, max_batch=2, max_len=32, num_draft=static.num_draft)
+        assert dec.generate(prompts, GREEDY, 10) == oracle
+        accepted.append([r.accepted for r in dec.stats.rounds])
+    same = sum(a == b for a, b in zip(*accepted, strict=False))
+    assert same >= 0.7 * max(len(a) for a in accepted), accepted
+
+
 def test_replay_with_static_drafter_cost_sees_real_taps(model: TargetModel, block: BlockDrafter) -> None:
     """The CUDA benchmark's replay drafter: its cost model is a StaticDFlashDrafter fed the target's real
     taps through the replay drafter's hooks; every propose runs the block forward on contexts that
