@@ -107,6 +107,94 @@ def test_graph_replay_equals_eager() -> None:
     assert all(torch.equal(a, b) for a, b in zip(outs, eager, strict=True))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_fused_step_is_inputs_then_step(arch: str | int, dims: tuple[int, int, int, int], t: int) -> None:
+    """gdn_step_fused (the step's `_io` kernels: q / k / v, beta and decay computed inside the step's
+    launch) == gdn_inputs then gdn_step, bitwise -- o, u, decay, k_out and the state -- for a verify
+    step with a deferred rollback replayed (the decode loop's), one without, and a committing step
+    (n per request), 3 requests; and in a CUDA graph replayed with new inputs."""
+    from dflashgen.runtime.gdn_io import gdn_inputs, gdn_step_fused
+    from dflashgen.runtime.gdn_kernel import gdn_step
+
+    a = _arch(arch)
+    b = 3
+    nk, dk, nv, dv = dims
+    g = torch.Generator(device="cuda").manual_seed(70 + t)
+    s0 = torch.randn(b, nv, dk, dv, generator=g, device="cuda") * 0.3
+    prev = _case(b, t, dims, seed=71)
+    terms = (torch.empty(b, t, nv, dv, device="cuda"), torch.empty(b, t, nv, device="cuda"),
+             torch.empty(b, t, nk, dk, device="cuda"))  # u, decay, k_out of a previous round
+    gdn_step(s0, *gdn_inputs(*prev, dims, arch=a), u=terms[0], decay=terms[1], k_out=terms[2], arch=a)
+    n = torch.tensor([t, 0, t // 2 + 1], device="cuda")
+    arrive = torch.zeros(b, nk, dtype=torch.int32, device="cuda")
+
+    def run(fused: bool, case: tuple[torch.Tensor, ...], mode: str) -> list[torch.Tensor]:
+        st, (uu, dd, kk) = s0.clone(), (x.clone() for x in terms)
+        kw: dict = {"arch": a}
+        if mode == "commit":
+            kw.update(commit=st, n=n)
+        else:
+            kw.update(u=uu, decay=dd, k_out=kk)
+            if mode == "replay":
+                kw.update(replay_n=n, arrive=arrive)
+        if fused:
+            o, u, d = gdn_step_fused(st, *case, dims, **kw)
+        else:
+            o, u, d = gdn_step(st, *gdn_inputs(*case, dims, arch=a), **kw)
+        torch.cuda.synchronize()
+        return [o, u, d, st] + ([kk] if mode != "commit" else [])
+
+    case = _case(b, t, dims, seed=72)
+    for mode in ("replay", "plain", "commit"):
+        want, got = run(False, case, mode), run(True, case, mode)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), mode
+        assert not arrive.any()
+
+    st, uu, dd, kk = s0.clone(), *(x.clone() for x in terms)
+    static = tuple(x.clone() for x in case)
+    gdn_step_fused(st, *static, dims, u=uu, decay=dd, k_out=kk, replay_n=n, arrive=arrive, arch=a)  # load
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        o_graph, _, _ = gdn_step_fused(st, *static, dims, u=uu, decay=dd, k_out=kk, replay_n=n, arrive=arrive,
+                                       arch=a)
+    for rnd in range(2):
+        new = _case(b, t, dims, seed=80 + rnd)
+        for dst, src in zip(static, new, strict=True):
+            dst.copy_(src)
+        for dst, src in zip((st, uu, dd, kk), (s0, *terms), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = run(False, new, "replay")
+        assert all(torch.equal(x, y) for x, y in zip([o_graph, uu, dd, st, kk], want, strict=True)), rnd
+
+
+def test_fused_step_falls_back_past_its_conv_width() -> None:
+    """A conv wider than the fused step stages (gdn.cuh IO_MAX_WIDTH) runs the two launches: same bits."""
+    from dflashgen.runtime.gdn_io import IO_MAX_WIDTH, fused_step_available, gdn_inputs, gdn_step_fused
+    from dflashgen.runtime.gdn_kernel import gdn_step
+
+    dims = DIMS[1]
+    nk, dk, nv, dv = dims
+    assert fused_step_available("cuda", dk, dv, IO_MAX_WIDTH) and not fused_step_available("cuda", dk, dv, 5)
+    b, t, w = 2, 8, 5
+    c = 2 * nk * dk + nv * dv
+    g = torch.Generator(device="cuda").manual_seed(90)
+    cat = torch.randn(b, w - 1 + t, c, generator=g, device="cuda")
+    zba = (torch.randn(b, t, nv * dv + 2 * nv, generator=g, device="cuda") * 2).half()
+    rest = (torch.randn(c, w, generator=g, device="cuda") * 0.5, torch.randn(nv, generator=g, device="cuda"),
+            -torch.rand(nv, generator=g, device="cuda") * 4)
+    s0 = torch.randn(b, nv, dk, dv, generator=g, device="cuda") * 0.3
+    o, _, _ = gdn_step_fused(s0, cat, zba, *rest, dims)
+    ref, _, _ = gdn_step(s0, *gdn_inputs(cat, zba, *rest, dims))
+    assert torch.equal(o, ref)
+
+
 def test_bad_inputs_raise() -> None:
     from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs
     from dflashgen.runtime.gdn_kernel import GdnInputError
