@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from .driver import ArgPack, current_stream
-from .gdn_kernel import MAX_T, GdnInputError, check_step_outputs, gdn_step, launch_step
+from .gdn_kernel import GdnInputError
 from .images import entry_here, family_entries, load_module, loaded_kernel
 from .library import mul_to
 
-__all__ = ["GdnDims", "fused_step_available", "gdn_gate", "gdn_inputs", "gdn_step_fused", "io_available", "l2_norm",
-           "reference_conv", "reference_gate", "reference_inputs", "reference_post_conv"]
+__all__ = ["GdnDims", "gdn_gate", "gdn_inputs", "io_available", "l2_norm", "reference_conv", "reference_gate",
+           "reference_inputs", "reference_post_conv"]
 
 Tensor = torch.Tensor
 L2_EPS = 1e-6  # as in HF / FLA l2norm
@@ -140,10 +140,15 @@ def _rows(name: str, x: Tensor, b: int, t: int, width: int) -> int:
     return x.stride(1)
 
 
-def _check_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor, dims: GdnDims,
-                  ) -> tuple[int, int, int, int, int]:
-    """gdn_inputs' arguments against its contract, else GdnInputError; (B, T, W, C, zba row stride)."""
+def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor, dims: GdnDims,
+               *, arch: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, beta, log_decay) for the step from ``cat_tm [B, W - 1 + T, C]`` FP32 (contiguous),
+    ``zba [B, T, Hv * dv + 2 Hv]`` FP16 (the in_proj output's z | b | a, rows evenly spaced), the conv
+    weight ``[C, W]``, ``dt_bias`` and ``neg_a`` ``[Hv]`` FP32. q, k ``[B, T, Hk, dk]``, v ``[B, T, Hv,
+    dv]``, beta / log_decay ``[B, T, Hv]``, all contiguous FP32. CUDA: one launch; else torch."""
     nk, dk, nv, dv = dims
+    if cat_tm.device.type != "cuda":
+        return reference_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
     b, span, c = cat_tm.shape
     width = conv_w.shape[-1]
     t = span - (width - 1)
@@ -158,24 +163,6 @@ def _check_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, 
         if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device != cat_tm.device:
             raise GdnInputError(f"{name} must be contiguous float32 {list(shape)} on {cat_tm.device}, got "
                                 f"{x.dtype} {list(x.shape)} on {x.device}")
-    return b, t, width, c, row
-
-
-def _scales(dk: int) -> tuple[float, float, float]:
-    """The inputs kernels' L2 eps and q / k scales (q: the attention's dk ** -0.5 folded in)."""
-    return L2_EPS, dk**-0.5 / math.sqrt(dk), 1 / math.sqrt(dk)
-
-
-def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor, dims: GdnDims,
-               *, arch: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(q, k, v, beta, log_decay) for the step from ``cat_tm [B, W - 1 + T, C]`` FP32 (contiguous),
-    ``zba [B, T, Hv * dv + 2 Hv]`` FP16 (the in_proj output's z | b | a, rows evenly spaced), the conv
-    weight ``[C, W]``, ``dt_bias`` and ``neg_a`` ``[Hv]`` FP32. q, k ``[B, T, Hk, dk]``, v ``[B, T, Hv,
-    dv]``, beta / log_decay ``[B, T, Hv]``, all contiguous FP32. CUDA: one launch; else torch."""
-    nk, dk, nv, dv = dims
-    if cat_tm.device.type != "cuda":
-        return reference_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
-    b, t, width, c, row = _check_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
     kern, idx = _kernels(cat_tm.device, arch)
     if max(dk, dv) > kern.max_d:
         raise GdnInputError(f"head dims {dk} / {dv} above the io kernel's {kern.max_d}")
@@ -188,56 +175,13 @@ def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg
     a = kern.in_args
     with a.lock:
         vals = (cat_tm.data_ptr(), width, c, t, zba.data_ptr(), row, conv_w.data_ptr(), dt_bias.data_ptr(),
-                neg_a.data_ptr(), nk, dk, nv, dv, *_scales(dk),
+                neg_a.data_ptr(), nk, dk, nv, dv, L2_EPS, dk**-0.5 / math.sqrt(dk), 1 / math.sqrt(dk),
                 q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), log_decay.data_ptr())
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
         units = 2 * nk + nv
         kern.inputs.launch_pack((b * t, -(-units // kern.warps), 1), (32 * kern.warps, 1, 1), a, current_stream(idx))
     return q, k, v, beta, log_decay
-
-
-IO_MAX_WIDTH = 4  # gdn.cuh IO_MAX_WIDTH: conv taps the fused step stages
-
-
-def fused_step_available(device: torch.device | str, dk: int, dv: int, width: int, arch: int | None = None) -> bool:
-    """Whether :func:`gdn_step_fused` runs one fused launch here (else it runs the two): the io kernels'
-    conditions and a conv of at most ``IO_MAX_WIDTH`` taps (gdn.cuh), the rows the fused step stages."""
-    return width <= IO_MAX_WIDTH and io_available(device, dk, dv, arch)
-
-
-def gdn_step_fused(s0: Tensor, cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor,
-                   dims: GdnDims, *, o: Tensor | None = None, u: Tensor | None = None, decay: Tensor | None = None,
-                   k_out: Tensor | None = None, commit: Tensor | None = None, n: Tensor | None = None,
-                   replay_n: Tensor | None = None, arrive: Tensor | None = None,
-                   arch: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`gdn_inputs` then :func:`~.gdn_kernel.gdn_step` (same arguments as each; T <= 16) in one
-    launch where :func:`fused_step_available`: each step CTA stages its key head's q / k and its
-    columns' v conv rows and computes them, beta and the decay with the io kernel's arithmetic (the
-    same bits as the two launches: ``tests/test_gpu_gdn_io.py``), while its state loads are in flight.
-    Elsewhere the two calls. Returns (o, u, decay) as gdn_step."""
-    nk, dk, nv, dv = dims
-    width = conv_w.shape[-1]
-    if cat_tm.device.type != "cuda" or not fused_step_available(cat_tm.device, dk, dv, width, arch):
-        q, k, v, beta, log_decay = gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims, arch=arch)
-        return gdn_step(s0, q, k, v, beta, log_decay, o=o, u=u, decay=decay, k_out=k_out, commit=commit, n=n,
-                        replay_n=replay_n, arrive=arrive, arch=arch)
-    b, t, width, c, row = _check_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
-    if not 1 <= t <= MAX_T:
-        raise GdnInputError(f"T={t} positions: the fused step serves 1..{MAX_T}")
-    if s0.dim() != 4 or tuple(s0.shape) != (b, nv, dk, dv) or s0.dtype != torch.float32 or not s0.is_contiguous():
-        raise GdnInputError(f"the state must be contiguous float32 [B, Hv, dk, dv] = {[b, nv, dk, dv]}, got "
-                            f"{s0.dtype} {list(s0.shape)}")
-    if nv % nk or dv % 4 or c % 4 or cat_tm.data_ptr() % 16:
-        raise GdnInputError(f"the fused step needs Hv % Hk == 0, dv % 4 == 0, C % 4 == 0 and 16-byte aligned conv "
-                            f"inputs (dims {dims}, C = {c})")
-    step_dims = (b, t, nk, nv, dk, dv)
-    check_step_outputs(s0, step_dims, o=o, u=u, decay=decay, k_out=k_out, commit=commit, n=n, replay_n=replay_n,
-                       arrive=arrive)
-    inputs = (cat_tm.data_ptr(), width, c, zba.data_ptr(), row, conv_w.data_ptr(), dt_bias.data_ptr(),
-              neg_a.data_ptr(), *_scales(dk))
-    return launch_step(s0, step_dims, inputs, o=o, u=u, decay=decay, k_out=k_out, commit=commit, n=n,
-                       replay_n=replay_n, arrive=arrive, io=(width, c), arch=arch)
 
 
 def gdn_gate(o: Tensor, z: Tensor, w: Tensor, eps: float, *, arch: int | None = None) -> Tensor:

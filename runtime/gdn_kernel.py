@@ -225,15 +225,11 @@ class _Kernels:
         self.name = entry["name"]
         self.step, self.advance = mod.function(self.name), mod.function(self.name + "_advance")
         self.step_replay = mod.function(self.name + "_replay")  # the same arguments (gdn.cu.j2)
-        # the steps fused with the gdn_io inputs kernel (gdn_io.gdn_step_fused): conv inputs for q / k / v
-        self.step_io, self.step_replay_io = mod.function(self.name + "_io"), mod.function(self.name + "_replay_io")
         # dynamic shared memory per position (gdn.cuh step / advance_smem_floats_per_t): sized per launch
         self.step_smem_per_t, self.adv_smem_per_t = int(entry["smem_per_t"]), int(entry["advance_smem_per_t"])
         self.cols, self.threads = int(entry["cols"]), int(entry["threads"])  # per CTA (gdn_family.COLS / THREADS)
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         self.step_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, i, i, i, i, p, p, p, p, p, p, p, p])
-        f = ctypes.c_float
-        self.io_args = ArgPack([p, p, i, i, p, ll, p, p, p, f, f, f, i, i, i, i, p, p, p, p, p, p, p, p])
         self.adv_args = ArgPack([p, ll, p, ll, p, ll, p, ll, p, i, i, i, i, i])
 
 
@@ -327,8 +323,16 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     :func:`reference_step`."""
     b, t, hk, hv, dk, dv = _step_dims(s0, q, k, v, beta, log_decay)
     dev = s0.device
-    check_step_outputs(s0, (b, t, hk, hv, dk, dv), o=o, u=u, decay=decay, k_out=k_out, commit=commit, n=n,
-                       replay_n=replay_n, arrive=arrive)
+    for name, x, shape in (("o", o, (b, t, hv, dv)), ("u", u, (b, t, hv, dv)), ("decay", decay, (b, t, hv)),
+                           ("k_out", k_out, (b, t, hk, dk)), ("commit", commit, (b, hv, dk, dv))):
+        _check(name, x, shape, dev)
+    _check("n", n, (b,), dev, dtype=torch.long)
+    if replay_n is not None:
+        if k_out is None or u is None or decay is None or arrive is None:
+            _fail("replay_n needs k_out, u and decay (the terms to replay) and arrive")
+        _check("replay_n", replay_n, (b,), dev, dtype=torch.long)
+        _check("arrive", arrive, (b, hk), dev, dtype=torch.int32)
+    _aligned(s0, commit)
     if dev.type != "cuda":
         if replay_n is not None:
             assert k_out is not None and u is not None and decay is not None
@@ -340,64 +344,21 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
             if dst is not None:
                 dst.copy_(src)
         return (o if o is not None else ro), (u if u is not None else ru), (decay if decay is not None else rd)
-    _aligned16("the step kernel", q=q, k=k)
-    return launch_step(s0, (b, t, hk, hv, dk, dv), (q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0),
-                                                    v.stride(1), v.stride(3), beta.data_ptr(), log_decay.data_ptr()),
-                       o=o, u=u, decay=decay, k_out=k_out, commit=commit, n=n, replay_n=replay_n, arrive=arrive,
-                       arch=arch)
-
-
-StepDims = tuple[int, int, int, int, int, int]  # (B, T, Hk, Hv, dk, dv)
-
-
-def check_step_outputs(s0: Tensor, dims: StepDims, *, o: Tensor | None, u: Tensor | None, decay: Tensor | None,
-                       k_out: Tensor | None, commit: Tensor | None, n: Tensor | None, replay_n: Tensor | None,
-                       arrive: Tensor | None) -> None:
-    """A step's outputs and rollback arguments against its dims (gdn_step's contract), else GdnInputError."""
-    b, t, hk, hv, dk, dv = dims
-    dev = s0.device
-    for name, x, shape in (("o", o, (b, t, hv, dv)), ("u", u, (b, t, hv, dv)), ("decay", decay, (b, t, hv)),
-                           ("k_out", k_out, (b, t, hk, dk)), ("commit", commit, (b, hv, dk, dv))):
-        _check(name, x, shape, dev)
-    _check("n", n, (b,), dev, dtype=torch.long)
-    if replay_n is not None:
-        if k_out is None or u is None or decay is None or arrive is None:
-            _fail("replay_n needs k_out, u and decay (the terms to replay) and arrive")
-        _check("replay_n", replay_n, (b,), dev, dtype=torch.long)
-        _check("arrive", arrive, (b, hk), dev, dtype=torch.int32)
-    _aligned(s0, commit)
-
-
-def launch_step(s0: Tensor, dims: StepDims, inputs: tuple[Any, ...], *, o: Tensor | None, u: Tensor | None,
-                decay: Tensor | None, k_out: Tensor | None, commit: Tensor | None, n: Tensor | None,
-                replay_n: Tensor | None, arrive: Tensor | None, io: tuple[int, int] | None = None,
-                arch: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """One step launch (arguments checked by the caller): ``inputs`` the kernel's input arguments --
-    gdn_step's (q, k, v and its strides, beta, log_decay) or, with ``io = (conv width, channels)``, the
-    fused step's (gdn_io.gdn_step_fused: conv inputs, zba and its row stride, conv weight, dt_bias, neg_a,
-    L2 eps, q / k scales). Allocates o / u / decay where not given; returns them."""
-    b, t, hk, hv, dk, dv = dims
-    dev = s0.device
-    _aligned16("the step kernel", o=o, u=u, k_out=k_out)
+    _aligned16("the step kernel", q=q, k=k, o=o, u=u, k_out=k_out)
     o = torch.empty((b, t, hv, dv), dtype=torch.float32, device=dev) if o is None else o
     u = torch.empty_like(o) if u is None else u
     decay = torch.empty((b, t, hv), dtype=torch.float32, device=dev) if decay is None else decay
     kn, idx = _kernels(dev, dk, arch)
-    a = kn.io_args if io is not None else kn.step_args
+    a = kn.step_args
     with a.lock:
-        vals = (s0.data_ptr(), *inputs, t, hk, hv, dv, o.data_ptr(), u.data_ptr(), decay.data_ptr(), _ptr(k_out),
-                _ptr(commit), _ptr(n), _ptr(replay_n), _ptr(arrive))
+        vals = (s0.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
+                beta.data_ptr(), log_decay.data_ptr(), t, hk, hv, dv, o.data_ptr(), u.data_ptr(),
+                decay.data_ptr(), _ptr(k_out), _ptr(commit), _ptr(n), _ptr(replay_n), _ptr(arrive))
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
-        # gdn.cuh: the step's region, the replay region at a 16-byte boundary, the fused step's conv rows
-        # (W - 1 + T rows of q, k and the CTA's v columns) at the next
-        smem = t * kn.step_smem_per_t
-        if replay_n is not None or io is not None:
-            smem = -(-smem // 16) * 16 + t * kn.adv_smem_per_t
-        if io is not None:
-            smem = -(-smem // 16) * 16 + (io[0] - 1 + t) * (2 * dk + kn.cols) * 4
-        fn = ((kn.step_replay_io if io is not None else kn.step_replay) if replay_n is not None
-              else (kn.step_io if io is not None else kn.step))
+        smem, fn = t * kn.step_smem_per_t, kn.step
+        if replay_n is not None:  # gdn.cuh step_replay_offset: the advance's region at a 16-byte boundary
+            smem, fn = -(-smem // 16) * 16 + t * kn.adv_smem_per_t, kn.step_replay
         fn.launch_pack((-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), a, current_stream(idx), smem)
     return o, u, decay
 

@@ -67,16 +67,7 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
-from .gdn_io import (
-    fused_step_available,
-    gdn_gate,
-    gdn_inputs,
-    gdn_step_fused,
-    io_available,
-    reference_conv,
-    reference_gate,
-    reference_post_conv,
-)
+from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
 from .gdn_kernel import (
     chunk_available,
     gdn_advance,
@@ -530,9 +521,6 @@ class TargetModel(torch.nn.Module):
         self.fused_qk = glue("DFLASHGEN_FUSED_QK", lambda: qk_rope_available(self.device, cfg.head_dim))
         # the GDN layers' glue: conv, SiLU, q / k norms, beta / decay; the gated norm
         self.gdn_io = glue("DFLASHGEN_GDN_IO", lambda: io_available(self.device, gdn_dims[2], gdn_dims[3]))
-        # decode / verify steps: those inputs computed inside the step's launch (gdn_io.gdn_step_fused)
-        self.gdn_fused_step = self.gdn_io and glue(
-            "DFLASHGEN_GDN_FUSED_STEP", lambda: fused_step_available(self.device, *gdn_dims[2:5]))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
@@ -853,8 +841,7 @@ class TargetModel(torch.nn.Module):
         decoding. The conv is an explicit W-tap sum in a fixed order (no cuDNN algorithm choice per
         shape). Armed (``keep``, T <= 16): the state stays, k / u / decays go to the stacked rollback
         buffers. ``io``: conv, SiLU, norms, beta and decay in one generated launch (:func:`~.gdn_io.gdn_inputs`,
-        the same per-position arithmetic for any T), or for T <= 16 inside the step's own launch
-        (:func:`~.gdn_io.gdn_step_fused`, the same bits; ``DFLASHGEN_GDN_FUSED_STEP=0``: two launches). Returns o [B, T, Hv, dv]."""
+        the same per-position arithmetic for any T). Returns o [B, T, Hv, dv]."""
         b, c, span = cat.shape
         width = self.cfg.linear_conv_kernel_dim or 1
         t = span - (width - 1)
@@ -863,29 +850,24 @@ class TargetModel(torch.nn.Module):
         _, _, nk, nv = self.heads
         cat_tm = cat.transpose(1, 2)  # the time-major tensor torch.cat made (_gdn)
         dt_bias = self.w[f"model.layers.{i}.linear_attn.dt_bias"]
-        fused = io and cat_tm.is_contiguous() and self.gdn_fused_step and t <= _SMALL_CHUNK
-        ins = (cat_tm, zba, wt.view(c, width), dt_bias, self.neg_a[i], (nk, dk, nv, dv))
-        if not fused:
-            if io and cat_tm.is_contiguous():
-                q, k, v, beta, log_decay = gdn_inputs(*ins)
-            else:
-                bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
-                q, k, v, beta, log_decay = self._gdn_inputs(i, reference_conv(cat, wt, t), bet, a)
-
-        def step(s: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor]:
-            """The step from state s: fused, the io kernel's work inside the step's launch (the same bits
-            as the two launches)."""
-            return gdn_step_fused(s, *ins, **kw) if fused else gdn_step(s, q, k, v, beta, log_decay, **kw)
+        if io and cat_tm.is_contiguous():
+            q, k, v, beta, log_decay = gdn_inputs(cat_tm, zba, wt.view(c, width), dt_bias, self.neg_a[i],
+                                                  (nk, dk, nv, dv))
+        else:
+            bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
+            q, k, v, beta, log_decay = self._gdn_inputs(i, reference_conv(cat, wt, t), bet, a)
         if keep:  # the state stays (after replaying a deferred rollback: `replay`); terms for rollback
             j = state.gdn_index[i]
-            o, _, _ = step(state._ssm[i], u=state.stacked("gdn_u", (t, nv, dv))[j],
-                           decay=state.stacked("gdn_decay", (t, nv))[j], k_out=state.stacked("gdn_k", (t, nk, dk))[j],
-                           replay_n=None if replay is None else replay[0],
-                           arrive=None if replay is None else replay[1][j])
+            _, _, nv, dv = v.shape
+            o, _, _ = gdn_step(state._ssm[i], q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
+                               decay=state.stacked("gdn_decay", (t, nv))[j],
+                               k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j],
+                               replay_n=None if replay is None else replay[0],
+                               arrive=None if replay is None else replay[1][j])
             return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
         s0 = state.ssm[i]
         if t <= _SMALL_CHUNK:
-            o, _, _ = step(s0, commit=s0, n=n_new)  # in place
+            o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
         elif chunked:
             o = gdn_prefill_chunked(s0, q, k, v, beta, log_decay, n=n_new)  # in place: prep + scan
         else:

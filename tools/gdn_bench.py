@@ -4,9 +4,8 @@ Qwen3.8-27B GDN shapes per batch size, and (``--prefill``) one request's prefill
 T = 8 positions, 16 key / 48 value heads, dk = dv = 128, FP32 state. CUDA-graph replays of 20 launches,
 CUDA events, median of 15 replays; also the bytes of state the step reads and what that costs at
 the measured read bandwidth, so `us` can be read against a floor. ``chain_us``: a verify forward's
-GDN glue and step (gdn_inputs -> the replaying step -> gdn_gate) over 48 layers of their own state
-(the states from DRAM, as in a forward), per layer; ``fused_chain_us``: the same with the inputs
-computed inside the step's launch (gdn_step_fused -> gdn_gate), as the target runs them. Run under ncu with
+GDN glue and step as the target runs them (gdn_inputs -> the replaying step -> gdn_gate) over 48
+layers of their own state (the states from DRAM, as in a forward), per layer. Run under ncu with
 ``-k regex:dfg_sm90_gdn --launch-skip 2 --launch-count 1 python3 tools/gdn_bench.py --batches 8``.
 
     python3 tools/gdn_bench.py [--batches 1 2 4 8] [--prefill 1023] [--json PATH]
@@ -19,7 +18,7 @@ import json
 import statistics
 
 import torch
-from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_step_fused
+from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs
 from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_prefill, gdn_prefill_chunked, gdn_step
 
 from dflashgen.gdn_family import COLS
@@ -73,15 +72,12 @@ def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, flo
 
     return {"B": b, "step_us": round(_graph_us(step), 2), "advance_us": round(_graph_us(advance), 2),
             "step_replay_us": round(_graph_us(step_replay), 2), "chain_us": round(time_chain(b, dev, gen), 2),
-            "fused_chain_us": round(time_chain(b, dev, gen, fused=True), 2),
             "state_MB": round(s0.numel() * 4 / 1e6, 2), "ctas": -(-DV // COLS) * HV * b}
 
 
-def time_chain(b: int, dev: torch.device, gen: torch.Generator, layers: int = 48, width: int = 4,
-               fused: bool = False) -> float:
-    """Per layer (us): gdn_inputs -> the replaying step -> gdn_gate (``fused``: gdn_step_fused ->
-    gdn_gate), as a verify forward runs each GDN layer, over ``layers`` layers with their own states
-    (one graph replay = one forward's GDN work)."""
+def time_chain(b: int, dev: torch.device, gen: torch.Generator, layers: int = 48, width: int = 4) -> float:
+    """Per layer (us): gdn_inputs -> the replaying step -> gdn_gate, as a verify forward runs each GDN
+    layer, over ``layers`` layers with their own states (one graph replay = one forward's GDN work)."""
     c = 2 * HK * DK + HV * DV
     cat = torch.randn(b, width - 1 + T, c, device=dev, generator=gen)
     zba = (torch.randn(b, T, HV * DV + 2 * HV, device=dev, generator=gen) * 2).half()
@@ -98,11 +94,9 @@ def time_chain(b: int, dev: torch.device, gen: torch.Generator, layers: int = 48
 
     def forward() -> None:
         for i in range(layers):
-            terms = {"u": u[i], "decay": decay[i], "k_out": k_out[i], "replay_n": n, "arrive": arrive}
-            if fused:
-                o, _, _ = gdn_step_fused(states[i], cat, zba, conv_w, dt_bias, neg_a, dims, **terms)
-            else:
-                o, _, _ = gdn_step(states[i], *gdn_inputs(cat, zba, conv_w, dt_bias, neg_a, dims), **terms)
+            q, k, v, beta, ld = gdn_inputs(cat, zba, conv_w, dt_bias, neg_a, dims)
+            o, _, _ = gdn_step(states[i], q, k, v, beta, ld, u=u[i], decay=decay[i], k_out=k_out[i], replay_n=n,
+                               arrive=arrive)
             gdn_gate(o, zba, w, 1e-6)
 
     return _graph_us(forward, reps=1, samples=9) / layers
@@ -133,8 +127,7 @@ def main() -> None:
     rows = []
     if args.chain_only:
         for b in args.batches:
-            print({"B": b, "chain_us": round(time_chain(b, dev, gen), 2),
-                   "fused_chain_us": round(time_chain(b, dev, gen, fused=True), 2)}, flush=True)
+            print({"B": b, "chain_us": round(time_chain(b, dev, gen), 2)}, flush=True)
         return
     for b in args.batches:
         rows.append(time_batch(b, dev, gen))

@@ -2,9 +2,7 @@
 // Regenerate with `dflashgen generate`; `dflashgen generate --check` fails when this file is stale.
 //
 // kernel     dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn (gated delta rule step), dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_replay (the step after a deferred rollback's
-//            replay, at least 7 CTAs per SM: its staging needs more registers),
-//            dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_io / dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_replay_io (the same fused with the gdn_io inputs kernel: q / k / v,
-//            beta and decay computed from the conv inputs, at least 7 CTAs per SM) and
+//            replay, at least 7 CTAs per SM: its staging needs more registers) and
 //            dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_advance (commit / rollback)
 // arch       sm_80
 // key dim    64 (value dim and heads at run time, dv % 4 == 0)
@@ -41,32 +39,6 @@ dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_replay(float* s0, const float* __restric
     const long long* __restrict__ n, const long long* __restrict__ replay_n, int* __restrict__ arrive) {
   dflashgen::gdn::step<64, 16, 4, true>(s0, q, k, v, vs_b, vs_t, vs_c, beta, log_decay,
       T, Hk, Hv, dv, o, u, decay, k_out, commit, n, replay_n, arrive);
-}
-
-
-
-extern "C" __global__ void __launch_bounds__(128, 7)
-dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_io(float* s0, const float* __restrict__ cat, int width, int c, const __half* __restrict__ zba,
-    long long zba_row, const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
-    const float* __restrict__ neg_a, float l2_eps, float q_factor, float k_factor, int T, int Hk, int Hv, int dv,
-    float* __restrict__ o, float* __restrict__ u, float* __restrict__ decay, float* __restrict__ k_out,
-    float* commit, const long long* __restrict__ n, const long long* __restrict__ replay_n,
-    int* __restrict__ arrive) {
-  const dflashgen::gdn::StepIo io{cat, width, c, zba, zba_row, conv_w, dt_bias, neg_a, l2_eps, q_factor, k_factor};
-  dflashgen::gdn::step<64, 16, 4, false, true>(s0, nullptr, nullptr, nullptr, 0, 0, 1,
-      nullptr, nullptr, T, Hk, Hv, dv, o, u, decay, k_out, commit, n, replay_n, arrive, io);
-}
-
-extern "C" __global__ void __launch_bounds__(128, 7)
-dfg_sm80_gdn_dk64_t16_r16_c4_w4_mb8_dyn_replay_io(float* s0, const float* __restrict__ cat, int width, int c, const __half* __restrict__ zba,
-    long long zba_row, const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
-    const float* __restrict__ neg_a, float l2_eps, float q_factor, float k_factor, int T, int Hk, int Hv, int dv,
-    float* __restrict__ o, float* __restrict__ u, float* __restrict__ decay, float* __restrict__ k_out,
-    float* commit, const long long* __restrict__ n, const long long* __restrict__ replay_n,
-    int* __restrict__ arrive) {
-  const dflashgen::gdn::StepIo io{cat, width, c, zba, zba_row, conv_w, dt_bias, neg_a, l2_eps, q_factor, k_factor};
-  dflashgen::gdn::step<64, 16, 4, true, true>(s0, nullptr, nullptr, nullptr, 0, 0, 1,
-      nullptr, nullptr, T, Hk, Hv, dv, o, u, decay, k_out, commit, n, replay_n, arrive, io);
 }
 
 

@@ -24,10 +24,6 @@
 //         and with `replay_n`: first S0 <- S0 after replay_n[b] positions of the terms k_out / u /
 //         decay still hold (the previous armed step's: a deferred advance, the same update), written
 //         back to S0, and then this step's positions from it (a rollback folded into the next step).
-//         Fused (`_io`, StepIo): instead of q / k / v / beta / decay, the conv inputs and the in_proj's
-//         b / a: each CTA stages its key head's q / k channels and its columns' v channels of the W - 1 + T
-//         conv rows and computes them with gdn_io::inputs' functions (conv_silu, l2_inv,
-//         beta_log_decay: the same bits as the two launches), while its state loads are in flight.
 // advance grid (ceil(dv / COLS), Hv, L * B): S <- S after n[b] positions, from the u / decay / k a step
 //         wrote (one launch for every GDN layer: per-layer strides). The same update functions as step,
 //         so a T-position verify followed by advance(n) is bitwise n single-position steps.
@@ -36,7 +32,6 @@
 #pragma once
 
 #include <dflashgen/decode.cuh>  // cp_async_commit / cp_async_wait
-#include <dflashgen/gdn_io.cuh>  // the fused step's inputs: gdn_io's per-element arithmetic
 
 namespace dflashgen {
 namespace gdn {
@@ -262,31 +257,6 @@ template <int DK, int COLS>
 __host__ __device__ constexpr int step_smem_floats_per_t() { return 2 * DK + COLS + 2; }
 template <int DK, int COLS>
 __device__ __forceinline__ int step_replay_offset(int T) { return (T * step_smem_floats_per_t<DK, COLS>() + 3) & ~3; }
-// Dynamic shared memory of an advance launch: ks [T][DK], us [T][COLS], ds [T] floats, in that order
-// (runtime/gdn_kernel.py: T * advance_smem_floats_per_t floats).
-template <int DK, int COLS>
-__host__ __device__ constexpr int advance_smem_floats_per_t() { return DK + COLS + 1; }
-// A fused step (`_io`) adds, after the replay region (reserved either way), its conv rows: q [W - 1 + T][DK],
-// k [W - 1 + T][DK], v [W - 1 + T][COLS] (runtime/gdn_kernel.py mirrors this layout).
-template <int DK, int COLS>
-__device__ __forceinline__ int step_io_offset(int T) {
-  return (step_replay_offset<DK, COLS>(T) + T * advance_smem_floats_per_t<DK, COLS>() + 3) & ~3;
-}
-constexpr int IO_MAX_WIDTH = 4;  // conv taps a fused step stages (the runtime falls back to two launches above)
-
-// The fused step's inputs, as gdn_io::inputs takes them: the conv inputs [B, W - 1 + T, C] FP32
-// time-major (16-byte aligned, C % 4 == 0), the in_proj output's [z | b | a] rows (FP16, `zba_row`
-// apart), the conv weight [C, W], dt_bias / neg_a [Hv], the L2 eps and the q / k scales.
-struct StepIo {
-  const float* cat;
-  int width, c;
-  const __half* zba;
-  long long zba_row;
-  const float* conv_w;
-  const float* dt_bias;
-  const float* neg_a;
-  float l2_eps, q_factor, k_factor;
-};
 
 // Rows [0, rows) of a value-head row block (positions Hv * dv apart, from `from`: this CTA's first
 // column of position 0) into dst[t * COLS ...] as float4 copies; absent columns (dv not a multiple of
@@ -313,14 +283,14 @@ __device__ __forceinline__ void stage_cols(float* dst, const float* from, long l
 // of 4, else element by element); beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]
 // (16-byte aligned); decay [B, T, Hv]; k_out [B, T, Hk, DK] (a copy of k for advance, 16-byte aligned;
 // nullptr: none). S0 [B, Hv, DK, dv]. The runtime checks every alignment named here.
-template <int DK, int MAXT, int WARPS, bool REPLAY, bool IO = false>
+template <int DK, int MAXT, int WARPS, bool REPLAY>
 __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, long long vs_b, long long vs_t, long long vs_c,
                                      const float* __restrict__ beta, const float* __restrict__ log_decay, int T,
                                      int Hk, int Hv, int dv, float* __restrict__ o, float* __restrict__ u,
                                      float* __restrict__ decay, float* __restrict__ k_out, float* commit,
                                      const long long* __restrict__ n, const long long* __restrict__ replay_n,
-                                     int* __restrict__ arrive, const StepIo io = {}) {
+                                     int* __restrict__ arrive) {
   using L = Layout<WARPS>;
   extern __shared__ __align__(16) float smem[];
   float* const qs = smem;
@@ -347,78 +317,26 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
     stage_cols<MAXT, L::THREADS, L::COLS>(up, u + (bt * Hv + h) * dv + jc, (long long)Hv * dv, jc, dv, rn);
     if (threadIdx.x < rn) dp[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
   }
-  if constexpr (IO) {  // this request's conv rows: the key head's q / k channels, the CTA's v columns
-    const int span = io.width - 1 + T;
-    float* const xq = smem + step_io_offset<DK, L::COLS>(T);
-    float* const xk = xq + span * DK;
-    const float* const row0 = io.cat + (long long)b * span * io.c;
-    stage_rows<DK, L::THREADS, 2>({xq, xk}, {row0 + (long long)kh * DK, row0 + (long long)(Hk + kh) * DK}, io.c,
-                                  span);
-    stage_cols<MAXT + IO_MAX_WIDTH - 1, L::THREADS, L::COLS>(
-        xk + span * DK, row0 + 2LL * Hk * DK + (long long)h * dv + jc, io.c, jc, dv, span);
-  } else {
-    stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
-    if (vs_c == 1 && ((reinterpret_cast<unsigned long long>(v) & 15) | ((vs_b | vs_t) & 3)) == 0) {
-      stage_cols<MAXT, L::THREADS, L::COLS>(vs, v + b * vs_b + (long long)h * dv + jc, vs_t, jc, dv, T);
-    } else {  // any other v layout: element by element (4 loads in flight: few registers beside the state)
-      stage<L::THREADS, 4>(
-          T * L::COLS,
-          [&](int e) {
-            const int t = e / L::COLS, j = jc + e % L::COLS;
-            return j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
-          },
-          [&](int e, float x) { vs[e] = x; });
-    }
+  stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
+  if (vs_c == 1 && ((reinterpret_cast<unsigned long long>(v) & 15) | ((vs_b | vs_t) & 3)) == 0) {
+    stage_cols<MAXT, L::THREADS, L::COLS>(vs, v + b * vs_b + (long long)h * dv + jc, vs_t, jc, dv, T);
+  } else {  // any other v layout: element by element (4 loads in flight: few registers beside the state)
+    stage<L::THREADS, 4>(
+        T * L::COLS,
+        [&](int e) {
+          const int t = e / L::COLS, j = jc + e % L::COLS;
+          return j < dv ? v[b * vs_b + t * vs_t + ((long long)h * dv + j) * vs_c] : 0.f;
+        },
+        [&](int e, float x) { vs[e] = x; });
   }
   if (threadIdx.x < T) {
     const long long at = (bt + threadIdx.x) * Hv + h;
-    float be, ld;
-    if constexpr (IO) {
-      gdn_io::beta_log_decay(io.zba + (bt + threadIdx.x) * io.zba_row + (long long)Hv * dv, Hv, h, io.dt_bias,
-                             io.neg_a, be, ld);
-    } else {
-      be = beta[at], ld = log_decay[at];
-    }
-    bs[threadIdx.x] = be;
-    ds[threadIdx.x] = expf(ld);
+    bs[threadIdx.x] = beta[at];
+    ds[threadIdx.x] = expf(log_decay[at]);
     if (!REPLAY && blockIdx.x == 0) decay[at] = ds[threadIdx.x];
   }
   copy16_wait();
   __syncthreads();
-  if constexpr (IO) {  // q / k (SiLU, L2 norm, scale) and v (SiLU) from the conv rows: gdn_io's arithmetic
-    const int span = io.width - 1 + T;
-    const float* const xq = smem + step_io_offset<DK, L::COLS>(T);
-    const float* const xv = xq + 2 * span * DK;
-    const int lane = threadIdx.x & 31;
-    for (int task = threadIdx.x >> 5; task < 2 * T; task += WARPS) {  // one warp per (position, q or k)
-      const int t = task >> 1, is_k = task & 1;
-      const float* const x = xq + (is_k * span + t) * DK;
-      const float* const w = io.conv_w + (long long)(is_k * Hk + kh) * DK * io.width;
-      constexpr int PL = (DK + 31) / 32;
-      float val[PL], ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int ch = lane + 32 * i;
-        val[i] = 0.f;
-        if (ch < DK) {
-          val[i] = gdn_io::conv_silu(x + ch, DK, w + (long long)ch * io.width, io.width);
-          ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
-        }
-      }
-      const float inv = gdn_io::l2_inv(ss, DK, io.l2_eps), f = is_k ? io.k_factor : io.q_factor;
-      float* const dst = (is_k ? ks : qs) + t * DK;
-#pragma unroll
-      for (int i = 0; i < PL; ++i)
-        if (lane + 32 * i < DK) dst[lane + 32 * i] = __fmul_rn(__fmul_rn(val[i], inv), f);
-    }
-    const float* const wv = io.conv_w + (2LL * Hk * DK + (long long)h * dv + jc) * io.width;
-    for (int e = threadIdx.x; e < T * L::COLS; e += L::THREADS) {
-      const int t = e / L::COLS, j = e % L::COLS;
-      vs[e] = jc + j < dv ? gdn_io::conv_silu(xv + t * L::COLS + j, L::COLS, wv + (long long)j * io.width, io.width)
-                          : 0.f;
-    }
-    __syncthreads();
-  }
   if (REPLAY && rn > 0) {  // the deferred advance (advance's update, same order), committed to S0
     const float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
     const float* const up = kp + T * DK + (lay.j0 - jc);
@@ -448,17 +366,8 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   }
   if (REPLAY && writes_decay) {  // the group's value heads, expf as above: the same bits
     for (int e = threadIdx.x; e < T * (Hv / Hk); e += L::THREADS) {
-      const int hh = kh * (Hv / Hk) + e % (Hv / Hk);
-      const long long at = (bt + e / (Hv / Hk)) * Hv + hh;
-      float ld;
-      if constexpr (IO) {
-        float be;
-        gdn_io::beta_log_decay(io.zba + (bt + e / (Hv / Hk)) * io.zba_row + (long long)Hv * dv, Hv, hh, io.dt_bias,
-                               io.neg_a, be, ld);
-      } else {
-        ld = log_decay[at];
-      }
-      decay[at] = expf(ld);
+      const long long at = (bt + e / (Hv / Hk)) * Hv + kh * (Hv / Hk) + e % (Hv / Hk);
+      decay[at] = expf(log_decay[at]);
     }
   }
   if (k_out != nullptr && writes_k) {  // from shared memory: no second load
@@ -495,6 +404,11 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
       *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
   }
 }
+
+// Dynamic shared memory of an advance launch: ks [T][DK], us [T][COLS], ds [T] floats, in that order
+// (runtime/gdn_kernel.py: T * advance_smem_floats_per_t floats).
+template <int DK, int COLS>
+constexpr int advance_smem_floats_per_t() { return DK + COLS + 1; }
 
 // S [L, B, Hv, DK, dv] (layer stride s_l, batch-contiguous inside a layer); k [L, B, T, Hk, DK],
 // u [L, B, T, Hv, dv], decay [L, B, T, Hv] (layer strides k_l, u_l, d_l); n [B] in [0, T] (clamped).

@@ -34,30 +34,6 @@ __device__ __forceinline__ float warp_sum(float s) {
   return s;
 }
 
-// One channel of one position: the causal depthwise conv over `width` taps (x[j * stride] tap j, tap 0
-// the oldest position; one rounding per mul and add) and SiLU. Shared with the fused step (gdn.cuh), so
-// both produce these bits.
-__device__ __forceinline__ float conv_silu(const float* x, long long stride, const float* __restrict__ wc,
-                                           int width) {
-  float acc = __fmul_rn(x[0], wc[0]);
-  for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x[j * stride], wc[j]));
-  return silu(acc);
-}
-
-// The L2-norm factor of a q / k head of d channels from this lane's sum of squares (warp-reduced).
-__device__ __forceinline__ float l2_inv(float ss, int d, float l2_eps) {
-  const float fd = static_cast<float>(d);
-  return rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), fd), __fdiv_rn(l2_eps, fd)));
-}
-
-// beta and the log decay of value head h from its in_proj row's [b (nv) | a (nv)] segment.
-__device__ __forceinline__ void beta_log_decay(const __half* __restrict__ ba, int nv, int h,
-                                               const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                               float& beta, float& log_decay) {
-  beta = sigmoid(__half2float(ba[h]));
-  log_decay = __fmul_rn(neg_a[h], softplus(__fadd_rn(__half2float(ba[nv + h]), dt_bias[h])));
-}
-
 template <int WARPS>
 __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width, int c, int t_len,
                                        const __half* __restrict__ zba, long long zba_row,
@@ -96,12 +72,16 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
       const int ch = lane + 32 * i;
       val[i] = 0.f;
       if (ch < d) {
-        val[i] = conv_silu(x0 + ch0 + ch, c, conv_w + static_cast<long long>(ch0 + ch) * width, width);
+        const float* __restrict__ wc = conv_w + static_cast<long long>(ch0 + ch) * width;
+        float acc = __fmul_rn(x0[ch0 + ch], wc[0]);
+        for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + ch0 + ch], wc[j]));
+        val[i] = silu(acc);
         ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
       }
     }
     if (unit < 2 * nk) {
-      const float inv = l2_inv(ss, d, l2_eps);
+      const float fd = static_cast<float>(d);
+      const float inv = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), fd), __fdiv_rn(l2_eps, fd)));
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) val[i] = __fmul_rn(__fmul_rn(val[i], inv), factor);
     }
@@ -113,9 +93,11 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
   }
   if (blockIdx.y == 0) {
     const __half* __restrict__ row = zba + pos * zba_row + static_cast<long long>(nv) * dv;  // [b | a]
-    for (int h = threadIdx.x; h < nv; h += WARPS * 32)
-      beta_log_decay(row, nv, h, dt_bias, neg_a, beta[static_cast<long long>(pos) * nv + h],
-                     log_decay[static_cast<long long>(pos) * nv + h]);
+    for (int h = threadIdx.x; h < nv; h += WARPS * 32) {
+      beta[static_cast<long long>(pos) * nv + h] = sigmoid(__half2float(row[h]));
+      const float a = __fadd_rn(__half2float(row[nv + h]), dt_bias[h]);
+      log_decay[static_cast<long long>(pos) * nv + h] = __fmul_rn(neg_a[h], softplus(a));
+    }
   }
 }
 
