@@ -52,6 +52,12 @@ def graph_time(step: Callable[[int], None], copies: int, replays: int = 10, repe
             step(i)
     graph.replay()
     torch.cuda.synchronize()
+    return replay_time(graph, copies, replays, repeats)
+
+
+def replay_time(graph: torch.cuda.CUDAGraph, calls: int = 1, replays: int = 10, repeats: int = 7) -> Timing:
+    """Per call (us) of a captured graph holding ``calls`` calls: CUDA events around ``replays``
+    back-to-back replays, median and half-IQR over ``repeats`` such samples."""
     samples = []
     for _ in range(repeats):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,8 +66,7 @@ def graph_time(step: Callable[[int], None], copies: int, replays: int = 10, repe
             graph.replay()
         e1.record()
         e1.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1e3 / (replays * copies))
-    del graph
+        samples.append(e0.elapsed_time(e1) * 1e3 / (replays * calls))
     q = statistics.quantiles(samples, n=4) if len(samples) >= 4 else [min(samples), 0, max(samples)]
     return Timing(statistics.median(samples), (q[2] - q[0]) / 2)
 

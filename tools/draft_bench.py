@@ -1,7 +1,8 @@
 """Time one round's draft pass of the static-slot DFlash2 drafter alone (the decode loop's "draft" phase
 without the host work around it): the Qwen3.8-27B drafter (5 layers, FP16 weights, the target's
 vocabulary for the shared embedding and lm_head, random), every slot's context filled to --ctx
-positions, the CUDA graph of batch B replayed; CUDA events, median of 25 replays per B.
+positions, the CUDA graph of batch B replayed; CUDA events, median of 25 replays per B
+(dflashgen.timing.replay_time).
 
     python3 tools/draft_bench.py [--batches 1 2 4 8] [--ctx 1100] [--json PATH]
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from dflashgen.runtime.drafter import BlockDrafter, DrafterConfig, StaticDFlashDrafter
+
+from dflashgen.timing import replay_time
 
 VOCAB = 248320
 
@@ -43,15 +45,8 @@ def main() -> None:
         graph, _ = static._graphs[b]
         for _ in range(3):
             graph.replay()
-        times = []
-        for _ in range(25):
-            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(a.elapsed_time(e))
-        rows.append({"B": b, "draft_ms": round(statistics.median(times), 3), "ctx": args.ctx})
+        t = replay_time(graph, replays=1, repeats=25)
+        rows.append({"B": b, "draft_ms": round(t.us / 1e3, 3), "noise_ms": round(t.noise_us / 1e3, 3), "ctx": args.ctx})
         print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:

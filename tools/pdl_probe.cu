@@ -91,6 +91,36 @@ static void launch(char kind, int ctas, long long ns, int* sink, cudaStream_t s)
   CK(cudaLaunchKernelEx(&cfg, spin_kernel, mode, pre, work, sink));
 }
 
+// Median per-`per` time (us) of a graph captured from `s` by `capture` (15 timed replays after one warm-up).
+template <class F>
+static float graph_us(cudaStream_t s, F&& capture, int per) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  capture();
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaGraphLaunch(ge, s));
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> t;
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int k = 0; k < 15; ++k) {
+    CK(cudaEventRecord(a, s));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e3f / per);
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  return t[t.size() / 2];
+}
+
 int main() {
   int* sink;
   CK(cudaMalloc(&sink, 1 << 16));
@@ -102,32 +132,11 @@ int main() {
   // blocked in griddepcontrol.wait take issue slots from the kernel it waits for?
   for (long long iters : {4000LL, 16000LL}) {
     for (const std::string pat : {"an", "AW", "aW", "a", "A"}) {
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < 48; ++i)
-        for (char c : pat) launch(c, 132, c == 'n' ? 1000 : iters, sink, s);
-      CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      CK(cudaGraphLaunch(ge, s));
-      CK(cudaStreamSynchronize(s));
-      std::vector<float> t;
-      cudaEvent_t a, b;
-      CK(cudaEventCreate(&a));
-      CK(cudaEventCreate(&b));
-      for (int k = 0; k < 15; ++k) {
-        CK(cudaEventRecord(a, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms * 1e3f / 48);
-      }
-      std::sort(t.begin(), t.end());
-      std::printf("fma %6lld  %-4s  us per pattern %8.2f\n", iters, pat.c_str(), t[t.size() / 2]);
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
+      const float us = graph_us(s, [&] {
+        for (int i = 0; i < 48; ++i)
+          for (char c : pat) launch(c, 132, c == 'n' ? 1000 : iters, sink, s);
+      }, 48);
+      std::printf("fma %6lld  %-4s  us per pattern %8.2f\n", iters, pat.c_str(), us);
     }
   }
   const int reps = 48;  // a forward's GDN layers
@@ -136,32 +145,11 @@ int main() {
   for (int ctas : {132, 264, 1056}) {
     for (long long ns : {2000LL, 8000LL}) {
       for (const auto& pat : patterns) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < reps; ++i)
-          for (char c : pat) launch(c, ctas, ns, sink, s);
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaStreamSynchronize(s));
-        std::vector<float> t;
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        for (int k = 0; k < 15; ++k) {
-          CK(cudaEventRecord(a, s));
-          CK(cudaGraphLaunch(ge, s));
-          CK(cudaEventRecord(b, s));
-          CK(cudaEventSynchronize(b));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, a, b));
-          t.push_back(ms * 1e3f / (reps * pat.size()));
-        }
-        std::sort(t.begin(), t.end());
-        std::printf("%-7s  %4d  %7lld  %8.2f\n", pat.c_str(), ctas, ns, t[t.size() / 2]);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
+        const float us = graph_us(s, [&] {
+          for (int i = 0; i < reps; ++i)
+            for (char c : pat) launch(c, ctas, ns, sink, s);
+        }, reps * static_cast<int>(pat.size()));
+        std::printf("%-7s  %4d  %7lld  %8.2f\n", pat.c_str(), ctas, ns, us);
       }
     }
   }
