@@ -131,7 +131,7 @@ def _check_int(name: str, v: Any, lo: int) -> None:
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    # torch's rms_norm: one fused kernel on CUDA where the spelled-out form was five per call
+    # torch's rms_norm (one kernel on CUDA instead of the spelled-out form's five)
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
@@ -317,12 +317,12 @@ class BlockDrafter(torch.nn.Module):
         ``[B, Hkv, capacity, D]`` (head-major) of which the first ``ctx_len[b]`` positions are request
         b's (the rest masked); the block sits at positions ``ctx_len[b] + s``. Static shapes, no host
         sync (CUDA-graph capturable); the same math as :meth:`forward_embeds` up to FP32 summation
-        order. The context and the block are scored and summed as two products, so the cache (the whole
-        capacity, every layer and round) is read in place: head-major, each (slot, head) is one
-        contiguous [capacity, D] matrix of a uniformly strided batch, no concatenated copy. The
-        context products run in the cache's dtype (FP16 on CUDA: tensor cores, FP32 accumulation; the
-        scores and the softmax stay FP32), where FP32 products over the capacity were the drafter's
-        slowest kernels (a few long-K tiles on CUDA cores, ~28 us each at B1)."""
+        order and, with an FP16 cache, the context products' FP16 inputs. The context and the block are
+        scored and summed as two products, so the cache (the whole capacity, every layer and round) is
+        read in place: head-major, each (slot, head) is one contiguous [capacity, D] matrix of a
+        uniformly strided batch, no concatenated copy. The context products run in the cache's dtype
+        (FP16 on CUDA: FP32 accumulation; the scores and the softmax stay FP32): half the bytes of an
+        FP32 cache, the same draft-pass time on the H200 (tools/draft_bench.py, bench/NOTES.md s31)."""
         cfg, (b, s, _) = self.cfg, x.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         g = nh // nkv
