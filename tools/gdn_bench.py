@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs
 from dflashgen.runtime.gdn_kernel import gdn_advance, gdn_prefill, gdn_prefill_chunked, gdn_step
 
 from dflashgen.gdn_family import COLS
+from dflashgen.timing import replay_time
 
 HK, HV, DK, DV, T = 16, 48, 128, 128, 8
 
@@ -33,15 +33,7 @@ def _graph_us(fn, reps: int = 20, samples: int = 15) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
-    times = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    return replay_time(g, calls=reps, replays=1, repeats=samples).us
 
 
 def time_batch(b: int, dev: torch.device, gen: torch.Generator) -> dict[str, float]:
