@@ -318,9 +318,9 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     be ``s0`` (in place). ``replay_n`` (int64 ``[B]``; needs ``k_out``, ``u``, ``decay`` and ``arrive``):
     first ``s0`` <- ``s0`` after the first ``replay_n[b]`` positions of the terms those buffers hold
     (a previous step's, T positions: :func:`gdn_advance`'s update, bitwise), in place, then this step
-    from it -- a rollback folded into the next step. ``arrive``: int32 ``[B, Hk]`` zeros (left zero),
-    the kernel's count of which CTAs have read the old terms. CUDA: the generated kernel; otherwise
-    :func:`reference_step`."""
+    from it -- a rollback folded into the next step (no ``commit`` then: the next step's replay keeps
+    what the rollback chooses). ``arrive``: int32 ``[B, Hk]`` zeros (left zero), the kernel's count of
+    which CTAs have read the old terms. CUDA: the generated kernel; otherwise :func:`reference_step`."""
     b, t, hk, hv, dk, dv = _step_dims(s0, q, k, v, beta, log_decay)
     dev = s0.device
     for name, x, shape in (("o", o, (b, t, hv, dv)), ("u", u, (b, t, hv, dv)), ("decay", decay, (b, t, hv)),
@@ -330,6 +330,8 @@ def gdn_step(s0: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     if replay_n is not None:
         if k_out is None or u is None or decay is None or arrive is None:
             _fail("replay_n needs k_out, u and decay (the terms to replay) and arrive")
+        if commit is not None:
+            _fail("replay_n and commit do not combine: a replaying step keeps its terms for the next rollback")
         _check("replay_n", replay_n, (b,), dev, dtype=torch.long)
         _check("arrive", arrive, (b, hk), dev, dtype=torch.int32)
     _aligned(s0, commit)

@@ -214,6 +214,8 @@ def test_replaying_step_is_advance_then_step() -> None:
     assert torch.equal(k_t, k)
     with pytest.raises(GdnInputError, match="replay_n needs"):
         gdn_step(s0, q, k, v, beta, ld, replay_n=n)
+    with pytest.raises(GdnInputError, match="replay_n and commit"):
+        gdn_step(st, q, k, v, beta, ld, u=u_t, decay=d_t, k_out=k_t, replay_n=n, arrive=arrive, commit=st)
 
 
 @pytest.mark.parametrize("fold", ["0", "1"])

@@ -60,6 +60,15 @@ __device__ __forceinline__ void copy16_wait() {
 #endif
 }
 __device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>(smem) = make_float4(0.f, 0.f, 0.f, 0.f); }
+// The 4-byte form (sm_80+: cp.async.ca, no register round trip that would hold the issuing warp).
+__device__ __forceinline__ void copy4(float* smem, const float* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *smem = __ldg(gmem);
+#endif
+}
 
 // Rows [0, rows) of DK floats each, row t at src + t * stride (16-byte aligned, stride % 4 == 0), into
 // dst[t * DK ...] as float4, for NS (source, destination) pairs with the same row stride (q and k): a
@@ -278,6 +287,20 @@ __device__ __forceinline__ void stage_cols(float* dst, const float* from, long l
   }
 }
 
+// k_out rows [0, T) of key head kh (positions Hk * DK apart, from `to`) from the staged ks [T][DK] (no
+// second global load): float4 i4 of every RPR-th row per thread, as stage_rows.
+template <int DK, int THREADS>
+__device__ __forceinline__ void write_k_out(float* to, const float* ks, int Hk, int T) {
+  constexpr int V4 = DK / 4, RPR = THREADS / V4;
+  const int i4 = threadIdx.x % V4;
+  int t = threadIdx.x / V4;
+  to += t * (long long)Hk * DK + 4 * i4;
+  const float* from = ks + t * DK + 4 * i4;
+#pragma unroll 1
+  for (; t < T; t += RPR, to += RPR * (long long)Hk * DK, from += RPR * DK)
+    *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
+}
+
 // q, k [B, T, Hk, DK] contiguous, 16-byte aligned; v element (b, t, h * dv + j) at b * vs_b + t * vs_t +
 // (h * dv + j) * vs_c (copied as float4 when vs_c == 1, v is 16-byte aligned and vs_b, vs_t are multiples
 // of 4, else element by element); beta, log_decay [B, T, Hv] contiguous. Outputs: o, u [B, T, Hv, dv]
@@ -306,18 +329,20 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   col.load(s0 + sbase, dv, lay.lr, lay.j0, lay.live);  // issued first: overlaps the staging below
   const long long qk0 = (bt * Hk + kh) * DK;          // q / k row of (b, t = 0, kh); rows Hk * DK apart
   const int jc = blockIdx.x * L::COLS;  // the CTA's first column
-  // replay: the deferred advance's terms (the previous step's k_out / u / decay, T positions), staged
-  // before anything of this step overwrites them (below: the group's last CTA writes k_out / decay)
-  const int rn = REPLAY ? clamp_steps(replay_n[b], T) : 0;
-  if (REPLAY && rn > 0) {  // (the region's pointers recomputed where used: fewer registers live across)
-    float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
+  // replay: the deferred advance's terms (the previous step's k_out / u / decay), staged before anything
+  // of this step overwrites them (the group's last CTA writes k_out / decay at its end). All T rows,
+  // whatever replay_n[b] is: no load waits on that one, so every copy is issued at once.
+  const long long rn_ll = REPLAY ? replay_n[b] : 0;  // read after the barrier (the replay's trip count)
+  float* const kp = smem + step_replay_offset<DK, L::COLS>(T);  // (REPLAY only)
+  if constexpr (REPLAY) {
     float* const up = kp + T * DK;
     float* const dp = up + T * L::COLS;
-    stage_rows<DK, L::THREADS, 1>({kp}, {k_out + qk0}, (long long)Hk * DK, rn);
-    stage_cols<MAXT, L::THREADS, L::COLS>(up, u + (bt * Hv + h) * dv + jc, (long long)Hv * dv, jc, dv, rn);
-    if (threadIdx.x < rn) dp[threadIdx.x] = decay[(bt + threadIdx.x) * Hv + h];
+    stage_rows<DK, L::THREADS, 3>({kp, qs, ks}, {k_out + qk0, q + qk0, k + qk0}, (long long)Hk * DK, T);
+    stage_cols<MAXT, L::THREADS, L::COLS>(up, u + (bt * Hv + h) * dv + jc, (long long)Hv * dv, jc, dv, T);
+    if (threadIdx.x < T) copy4(dp + threadIdx.x, decay + (bt + threadIdx.x) * Hv + h);
+  } else {
+    stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
   }
-  stage_rows<DK, L::THREADS, 2>({qs, ks}, {q + qk0, k + qk0}, (long long)Hk * DK, T);
   if (vs_c == 1 && ((reinterpret_cast<unsigned long long>(v) & 15) | ((vs_b | vs_t) & 3)) == 0) {
     stage_cols<MAXT, L::THREADS, L::COLS>(vs, v + b * vs_b + (long long)h * dv + jc, vs_t, jc, dv, T);
   } else {  // any other v layout: element by element (4 loads in flight: few registers beside the state)
@@ -337,8 +362,14 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
   }
   copy16_wait();
   __syncthreads();
+  // REPLAY: this CTA's staging is done; count it on arrive[b, kh] now and read the ticket at the end
+  // (the round trip overlaps the positions). The group's gridDim.x x Hv / Hk CTAs all arrive after
+  // their copies of the old terms landed, so the last to arrive may overwrite them (and resets the
+  // counter to 0 for the next launch).
+  int ticket = 0;
+  if (REPLAY && threadIdx.x == 0) ticket = atomicAdd(arrive + (long long)b * Hk + kh, 1);
+  const int rn = clamp_steps(rn_ll, T);
   if (REPLAY && rn > 0) {  // the deferred advance (advance's update, same order), committed to S0
-    const float* const kp = smem + step_replay_offset<DK, L::COLS>(T);
     const float* const up = kp + T * DK + (lay.j0 - jc);
     const float* const dp = kp + T * (DK + L::COLS);
     for (int t = 0; t < rn; ++t) {
@@ -349,40 +380,14 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
     }
     col.store(s0 + sbase, dv, lay.lr, lay.j0, lay.live);
   }
-  // Who writes this step's k_out / decay terms: column block 0 (of key head kh's first value head for
-  // k_out). A replaying step (REPLAY: every CTA of key head kh reads the old terms first): the last of
-  // the group's gridDim.x x Hv / Hk CTAs to finish its staging, counted on arrive[b, kh] (left at 0 for
-  // the next launch): no CTA overwrites terms another still has to read.
-  bool writes_k = blockIdx.x == 0 && h % (Hv / Hk) == 0, writes_decay = false;
-  if constexpr (REPLAY) {
-    __shared__ int last;
-    if (threadIdx.x == 0) {
-      int* const count = arrive + (long long)b * Hk + kh;
-      last = atomicAdd(count, 1) == (int)gridDim.x * (Hv / Hk) - 1;
-      if (last) *count = 0;
-    }
-    __syncthreads();
-    writes_k = writes_decay = last;
-  }
-  if (REPLAY && writes_decay) {  // the group's value heads, expf as above: the same bits
-    for (int e = threadIdx.x; e < T * (Hv / Hk); e += L::THREADS) {
-      const long long at = (bt + e / (Hv / Hk)) * Hv + kh * (Hv / Hk) + e % (Hv / Hk);
-      decay[at] = expf(log_decay[at]);
-    }
-  }
-  if (k_out != nullptr && writes_k) {  // from shared memory: no second load
-    constexpr int V4 = DK / 4, RPR = L::THREADS / V4;  // as stage_rows: float4 i4 of every RPR-th row
-    const int i4 = threadIdx.x % V4;
-    int t = threadIdx.x / V4;
-    float* to = k_out + qk0 + t * (long long)Hk * DK + 4 * i4;
-    const float* from = ks + t * DK + 4 * i4;
-#pragma unroll 1
-    for (; t < T; t += RPR, to += RPR * (long long)Hk * DK, from += RPR * DK)
-      *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(from);
-  }
+  // Who writes this step's k_out / decay terms (at the end): column block 0 of key head kh's first
+  // value head for k_out; with REPLAY, the last of the group's CTAs to arrive (both).
+  if (!REPLAY && k_out != nullptr && blockIdx.x == 0 && h % (Hv / Hk) == 0)
+    write_k_out<DK, L::THREADS>(k_out + qk0, ks, Hk, T);
 
   // positions to commit: S after `keep` steps is stored (0: S0 stays; -1: no commit)
-  const int keep = commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
+  // (a replaying step never commits: the runtime refuses commit with replay_n)
+  const int keep = REPLAY || commit == nullptr ? -1 : (n != nullptr ? clamp_steps(n[b], T) : T);
   const int jl = lay.j0 - jc;
   const long long ou = (bt * Hv + h) * dv + lay.j0;  // o / u offset of (b, t, h, j0), advancing by Hv * dv
   float qp[CPT] = {};  // the pipelined q dot (Col::enter / leave): o_t is stored at position t + 1
@@ -396,12 +401,28 @@ __device__ __forceinline__ void step(float* s0, const float* __restrict__ q, con
     if (t > 0 && writes) o[at - pos] = qp[0];
     const float uo = col.leave(bs[t], ks + t * DK, qs + t * DK, vs[t * L::COLS + jl + own], lay.lr, kv, qp);
     if (writes) u[at] = uo;
-    if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
+    if constexpr (!REPLAY)
+      if (t + 1 == keep) col.store(commit + sbase, dv, lay.lr, lay.j0, lay.live);
   }
   if (T > 0) {  // the last position's q dot: a full butterfly (the same additions), lr = 0 stores
     Col<DK>::butterfly(qp);
     if (lay.live && lay.lr == 0)
       *reinterpret_cast<float4*>(o + (at - pos)) = make_float4(qp[0], qp[1], qp[2], qp[3]);
+  }
+  if constexpr (REPLAY) {
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+      last = ticket == (int)gridDim.x * (Hv / Hk) - 1;
+      if (last) arrive[(long long)b * Hk + kh] = 0;
+    }
+    __syncthreads();
+    if (last) {  // the group's value heads' decay (expf as above: the same bits), then k from shared memory
+      for (int e = threadIdx.x; e < T * (Hv / Hk); e += L::THREADS) {
+        const long long at = (bt + e / (Hv / Hk)) * Hv + kh * (Hv / Hk) + e % (Hv / Hk);
+        decay[at] = expf(log_decay[at]);
+      }
+      write_k_out<DK, L::THREADS>(k_out + qk0, ks, Hk, T);
+    }
   }
 }
 
