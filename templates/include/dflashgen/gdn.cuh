@@ -31,7 +31,7 @@
 //         positions: step's position body over CHUNK-position stagings, bitwise T one-position steps.
 #pragma once
 
-#include <dflashgen/decode.cuh>  // cp_async_commit / cp_async_wait
+#include <dflashgen/decode.cuh>  // cp_async16 / cp_async4, cp_async_commit / cp_async_wait
 
 namespace dflashgen {
 namespace gdn {
@@ -47,8 +47,7 @@ __device__ __forceinline__ int clamp_steps(long long n, int T) { return n < 0 ? 
 // Data movement only: the bits that land in shared memory are the loaded ones either way.
 __device__ __forceinline__ void copy16(float* smem, const float* gmem) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  cp_async16(smem, gmem);
 #else
   *reinterpret_cast<float4*>(smem) = __ldg(reinterpret_cast<const float4*>(gmem));
 #endif
@@ -63,8 +62,7 @@ __device__ __forceinline__ void zero16(float* smem) { *reinterpret_cast<float4*>
 // The 4-byte form (sm_80+: cp.async.ca, no register round trip that would hold the issuing warp).
 __device__ __forceinline__ void copy4(float* smem, const float* gmem) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+  cp_async4(smem, gmem);
 #else
   *smem = __ldg(gmem);
 #endif
