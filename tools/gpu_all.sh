@@ -31,7 +31,11 @@
 #                                          # (tools/wgmma_race.py: verified first, then timed):
 #                                          # RACE="problem ... --ms 32 64 --only REGEX"; SWITCH=file.diff
 #                                          # applied to this copy only first (e.g. a tile list switched
-#                                          # on); NCU_GEMMS / NCU_SOURCE as in PART=C; CLOCKS="kernel
+#                                          # on); GEMM_AB=file.diff (a GEMM-header diff, applied in
+#                                          # this tree, e.g. by SWITCH) then races without it (git apply
+#                                          # -R) and with it, alternating twice, RACE's kernels rebuilt
+#                                          # each way (--only '^$': the table's served ones alone);
+#                                          # NCU_GEMMS / NCU_SOURCE as in PART=C; CLOCKS="kernel
 #                                          # ..." then times each WGC kernel's steps from clock64
 #                                          # stamps (tools/wgc_clock_probe.py, CLOCKS_M rows, default 64)
 #   PART=W ...                             # tools/wgmma_roles_probe.cu (which wgmma shape an M = 32-64
@@ -215,9 +219,36 @@ R)
   dfg_install
   if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
   # builds only the raced problems' kernels (with --only: the named ones and the table's)
-  timeout 540 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1  # and --timeout per problem
-  echo "race rc $?"; tail -40 "$R/race.txt"
-  pack
+  if [ -n "${GEMM_AB:-}" ]; then  # base (the diff reversed) / new, twice: the same kernels, each header
+    for run in base1 new1 base2 new2; do
+      [ "${run#base}" != "$run" ] && git apply -R "$GEMM_AB"
+      echo "== race $run"
+      timeout 240 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race-$run.json" > "$R/race-$run.txt" 2>&1
+      echo "race rc $?"; tail -12 "$R/race-$run.txt"
+      [ "${run#base}" != "$run" ] && git apply "$GEMM_AB"
+      pack
+    done
+    python3 - "$R" <<'PY' | tee "$R/race-ab.txt"  # per kernel and M: the mean of each side's two runs
+import json, sys
+from collections import defaultdict
+t = defaultdict(lambda: defaultdict(list))
+for run in ("base1", "new1", "base2", "new2"):
+    try:
+        rows = json.load(open(f"{sys.argv[1]}/race-{run}.json"))
+    except (OSError, ValueError):
+        continue
+    for r in rows:
+        t[(r["kernel"], r["m"])][run[:-1]].append(r["us"])
+for (k, m), v in sorted(t.items()):
+    b, n = (sum(v[s]) / len(v[s]) if v[s] else float("nan") for s in ("base", "new"))
+    print(f"M={m:<3} base {b:8.2f} us  new {n:8.2f} us  {n / b - 1:+6.1%}  {k}")
+PY
+    pack
+  else
+    timeout 540 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race.json" > "$R/race.txt" 2>&1  # and --timeout per problem
+    echo "race rc $?"; tail -40 "$R/race.txt"
+    pack
+  fi
   if [ -n "${CLOCKS:-}" ]; then
     echo "== clock probe"; timeout 180 python3 tools/wgc_clock_probe.py $CLOCKS --m ${CLOCKS_M:-64} --json "$R/clocks.json" \
       > "$R/clocks.txt" 2>&1; echo "probe rc $?"; tail -60 "$R/clocks.txt"
