@@ -223,7 +223,7 @@ R)
     for run in base1 new1 base2 new2; do
       [ "${run#base}" != "$run" ] && git apply -R "$GEMM_AB"
       echo "== race $run"
-      timeout 240 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race-$run.json" > "$R/race-$run.txt" 2>&1
+      timeout 300 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race-$run.json" > "$R/race-$run.txt" 2>&1
       echo "race rc $?"; tail -12 "$R/race-$run.txt"
       [ "${run#base}" != "$run" ] && git apply "$GEMM_AB"
       pack
