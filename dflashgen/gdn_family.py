@@ -11,9 +11,12 @@ least 8 CTAs of 128 threads per SM, i.e. at most 64 registers, 7 on sm_70; ``dyn
 sized for the launch's T -- the manifest's ``smem_per_t`` / ``advance_smem_per_t`` bytes per position -- and
 q / k / u staged as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out must be 16-byte aligned).
 
-Plus one glue kernel pair per arch, ``templates/gdn_io.cu.j2`` (``dfg_sm90_gdnio_w4_d256``, manifest
+Plus one glue kernel set per arch, ``templates/gdn_io.cu.j2`` (``dfg_sm90_gdnio_w4_d256_pt16``, manifest
 ``mode: "io"``; logic in ``templates/include/dflashgen/gdn_io.cuh``): ``<name>`` (inputs: the causal
-conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per position) and
+conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per position),
+``<name>_prefill`` (the same for a prefill straight from the conv state and the in_proj output's FP16
+rows, 16 positions per warp, the conv state updated in place: no FP32 conv-input tensor; head dims up to
+128, ``<name>_prefill_wide`` up to 256) and
 ``<name>_gate`` (the gated RMSNorm with SiLU(z), FP16 out) -- what the target ran as ~20 torch
 launches per layer; dims at run time, head dims up to 256.
 
@@ -102,6 +105,11 @@ def chunk_kernel_name(arch: int, dk: int) -> str:
 
 IO_WARPS = 4  # glue kernels: one warp per (position, head), 4 per CTA (TP1 B1 T8: 8 x 20 CTAs)
 IO_MAX_D = 256  # head dims the glue kernels take (gdn_io.cuh MAX_D: 8 channels per lane)
+# the prefill inputs kernel: positions per warp (each input read once, the last W - 1 taps held in
+# registers; a 1K prompt's TP1 layer is 64 x 20 CTAs, one wave) and the conv widths it takes
+IO_PREFILL_TILE = 16
+IO_PREFILL_MAX_W = 4
+IO_PREFILL_NARROW_D = 128  # head dims <_prefill> takes (4 channels per lane); <_prefill_wide> up to IO_MAX_D
 
 
 def step_smem_per_t(dk: int) -> int:
@@ -136,12 +144,13 @@ def key_dims() -> tuple[int, ...]:
 
 
 def io_kernel_name(arch: int) -> str:
-    return f"dfg_sm{arch}_gdnio_w{IO_WARPS}_d{IO_MAX_D}"
+    return f"dfg_sm{arch}_gdnio_w{IO_WARPS}_d{IO_MAX_D}_pt{IO_PREFILL_TILE}"
 
 
 def render_io(arch: int) -> str:
     return _env().get_template("gdn_io.cu.j2").render(
-        version=__version__, name=io_kernel_name(arch), arch=arch, warps=IO_WARPS, max_d=IO_MAX_D)
+        version=__version__, name=io_kernel_name(arch), arch=arch, warps=IO_WARPS, max_d=IO_MAX_D,
+        prefill_tile=IO_PREFILL_TILE, prefill_max_w=IO_PREFILL_MAX_W, prefill_narrow_d=IO_PREFILL_NARROW_D)
 
 
 def render(arch: int, dk: int) -> str:
@@ -180,6 +189,8 @@ def family_kernels() -> list[FamilyKernel]:
                             "smem": chunk_smem_bytes(dk), "mode": "chunk"})
               for arch in ARCHS for dk in key_dims()]
     io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
-                       {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D})
+                       {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D,
+                        "prefill_tile": IO_PREFILL_TILE, "prefill_max_w": IO_PREFILL_MAX_W,
+                        "prefill_narrow_d": IO_PREFILL_NARROW_D})
           for arch in ARCHS]
     return steps + prefills + chunks + io

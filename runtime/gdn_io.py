@@ -5,7 +5,9 @@ torch formulation elsewhere (and as their reference).
 W - 1 positions, then the T new ones) and the in_proj output's b / a segments -- the depthwise causal
 conv as an explicit W-tap sum (tap 0 the oldest position), SiLU, the q / k L2 norms (q also scaled by
 ``dk ** -0.5``), ``beta = sigmoid(b)`` and ``log_decay = -exp(A_log) * softplus(a + dt_bias)``: what
-the target ran as ~15 torch launches per GDN layer, one launch. :func:`gdn_gate` -- the gated
+the target ran as ~15 torch launches per GDN layer, one launch. :func:`gdn_prefill_inputs` -- the
+same for a prefill straight from the conv state ``[B, C, W - 1]`` and the in_proj output's FP16 rows
+(no FP32 ``[B, W - 1 + T, C]`` cat in memory), updating the conv state in place. :func:`gdn_gate` -- the gated
 RMSNorm ``rms_norm(o) * w * silu(z)`` rounded once to FP16 (out_proj's input): three launches, one.
 
 Both reduce each head in a fixed order that does not depend on B or T (``gdn_io.cuh``), so a
@@ -29,8 +31,9 @@ from .gdn_kernel import GdnInputError
 from .images import entry_here, family_entries, load_module, loaded_kernel
 from .library import mul_to
 
-__all__ = ["GdnDims", "gdn_gate", "gdn_inputs", "io_available", "l2_norm", "reference_conv", "reference_gate",
-           "reference_inputs", "reference_post_conv"]
+__all__ = ["GdnDims", "conv_window", "gdn_gate", "gdn_inputs", "gdn_prefill_inputs", "io_available", "l2_norm",
+           "prefill_inputs_available", "reference_conv", "reference_gate", "reference_inputs", "reference_post_conv",
+           "reference_prefill_inputs"]
 
 Tensor = torch.Tensor
 L2_EPS = 1e-6  # as in HF / FLA l2norm
@@ -80,6 +83,27 @@ def reference_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tenso
     return reference_post_conv(conv, bet, a, neg_a, dt_bias, nk, dk, nv, dv)
 
 
+def conv_window(cat: Tensor, n: Tensor, width: int) -> Tensor:
+    """cat[..., b, :, n[b] : n[b] + width] for every request b (cat ``[..., B, C, L]``): the conv state
+    after n[b] of a span's positions."""
+    idx = n.view(*([1] * (cat.dim() - 3)), -1, 1, 1) + torch.arange(width, device=cat.device)
+    return cat.gather(-1, idx.expand(*cat.shape[:-1], width))
+
+
+def reference_prefill_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor,
+                             dims: GdnDims, n: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gdn_prefill_inputs` in torch ops: the conv inputs' cat made explicitly, then
+    :func:`reference_inputs`; ``conv`` updated in place to the window after n[b] (default T) positions."""
+    nk, dk, nv, dv = dims
+    c, width = conv_w.shape
+    cat_tm = torch.cat((conv.transpose(1, 2), mixed[..., :c].float()), dim=1)  # [B, W - 1 + T, C]
+    out = reference_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
+    t = mixed.shape[1]
+    cat = cat_tm.transpose(1, 2)
+    conv.copy_(cat[..., t:] if n is None else conv_window(cat, n.to(conv.device), width - 1))
+    return out
+
+
 def reference_gate(o: Tensor, z: Tensor, w: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     """rms_norm(o) * w * silu(z) for o ``[B, T, Hv, dv]`` FP32, z of o's shape (any float), rounded
     once to ``dtype``; ``[B, T, Hv * dv]``."""
@@ -117,8 +141,13 @@ class _IoKernels:
         mod = load_module(entry, device_index)
         self.name, self.warps, self.max_d = entry["name"], int(entry["warps"]), int(entry["max_d"])
         self.inputs, self.gate = mod.function(self.name), mod.function(self.name + "_gate")
+        self.prefill_tile, self.prefill_max_w = int(entry["prefill_tile"]), int(entry["prefill_max_w"])
+        self.prefill_narrow_d = int(entry["prefill_narrow_d"])
+        self.prefill = {wide: mod.function(self.name + ("_prefill_wide" if wide else "_prefill"))
+                        for wide in (False, True)}
         p, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
         self.in_args = ArgPack([p, i, i, i, p, ll, p, p, p, i, i, i, i, f, f, f, p, p, p, p, p])
+        self.prefill_args = ArgPack([p, p, ll, i, i, i, p, p, ll, p, p, p, i, i, i, i, f, f, f, p, p, p, p, p])
         self.gate_args = ArgPack([p, p, ll, p, f, i, i, p])
 
 
@@ -140,6 +169,27 @@ def _rows(name: str, x: Tensor, b: int, t: int, width: int) -> int:
     return x.stride(1)
 
 
+def _check_terms(zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor, b: int, t: int, c: int, width: int,
+                 dims: GdnDims, device: torch.device) -> int:
+    """The inputs both input kernels share: zba's row stride, else a clear error."""
+    _, _, nv, dv = dims
+    if zba.dtype != torch.float16:
+        raise GdnInputError(f"zba must be float16, got {zba.dtype}")
+    row = _rows("zba", zba, b, t, nv * dv + 2 * nv)
+    for name, x, shape in (("conv_w", conv_w, (c, width)), ("dt_bias", dt_bias, (nv,)), ("neg_a", neg_a, (nv,))):
+        if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device != device:
+            raise GdnInputError(f"{name} must be contiguous float32 {list(shape)} on {device}, got "
+                                f"{x.dtype} {list(x.shape)} on {x.device}")
+    return row
+
+
+def _outputs(b: int, t: int, dims: GdnDims, dev: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    nk, dk, nv, dv = dims
+    q = torch.empty((b, t, nk, dk), device=dev)
+    beta = torch.empty((b, t, nv), device=dev)
+    return q, torch.empty_like(q), torch.empty((b, t, nv, dv), device=dev), beta, torch.empty_like(beta)
+
+
 def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor, dims: GdnDims,
                *, arch: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(q, k, v, beta, log_decay) for the step from ``cat_tm [B, W - 1 + T, C]`` FP32 (contiguous),
@@ -156,32 +206,66 @@ def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg
         raise GdnInputError(f"cat_tm [B, W-1+T, C] = {tuple(cat_tm.shape)} does not fit dims {dims}, W = {width}")
     if cat_tm.dtype != torch.float32 or not cat_tm.is_contiguous():
         raise GdnInputError(f"cat_tm must be contiguous float32, got {cat_tm.dtype} strides {cat_tm.stride()}")
-    if zba.dtype != torch.float16:
-        raise GdnInputError(f"zba must be float16, got {zba.dtype}")
-    row = _rows("zba", zba, b, t, nv * dv + 2 * nv)
-    for name, x, shape in (("conv_w", conv_w, (c, width)), ("dt_bias", dt_bias, (nv,)), ("neg_a", neg_a, (nv,))):
-        if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device != cat_tm.device:
-            raise GdnInputError(f"{name} must be contiguous float32 {list(shape)} on {cat_tm.device}, got "
-                                f"{x.dtype} {list(x.shape)} on {x.device}")
+    row = _check_terms(zba, conv_w, dt_bias, neg_a, b, t, c, width, dims, cat_tm.device)
     kern, idx = _kernels(cat_tm.device, arch)
     if max(dk, dv) > kern.max_d:
         raise GdnInputError(f"head dims {dk} / {dv} above the io kernel's {kern.max_d}")
-    dev = cat_tm.device
-    q = torch.empty((b, t, nk, dk), device=dev)
-    k = torch.empty_like(q)
-    v = torch.empty((b, t, nv, dv), device=dev)
-    beta = torch.empty((b, t, nv), device=dev)
-    log_decay = torch.empty_like(beta)
-    a = kern.in_args
-    with a.lock:
-        vals = (cat_tm.data_ptr(), width, c, t, zba.data_ptr(), row, conv_w.data_ptr(), dt_bias.data_ptr(),
-                neg_a.data_ptr(), nk, dk, nv, dv, L2_EPS, dk**-0.5 / math.sqrt(dk), 1 / math.sqrt(dk),
-                q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), log_decay.data_ptr())
-        for slot, val in zip(a.values, vals, strict=True):
-            slot.value = val
-        units = 2 * nk + nv
-        kern.inputs.launch_pack((b * t, -(-units // kern.warps), 1), (32 * kern.warps, 1, 1), a, current_stream(idx))
-    return q, k, v, beta, log_decay
+    q, k, v, beta, log_decay = outs = _outputs(b, t, dims, cat_tm.device)
+    vals = (cat_tm.data_ptr(), width, c, t, zba.data_ptr(), row, conv_w.data_ptr(), dt_bias.data_ptr(),
+            neg_a.data_ptr(), nk, dk, nv, dv, L2_EPS, dk**-0.5 / math.sqrt(dk), 1 / math.sqrt(dk),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), log_decay.data_ptr())
+    kern.in_args.launch(kern.inputs, (b * t, -(-(2 * nk + nv) // kern.warps), 1), (32 * kern.warps, 1, 1),
+                        current_stream(idx), vals)
+    return outs
+
+
+def prefill_inputs_available(device: torch.device | str, dk: int, dv: int, width: int, arch: int | None = None) -> bool:
+    """Whether :func:`gdn_prefill_inputs` launches a kernel here: :func:`io_available` and a conv width
+    the kernel takes (manifest only)."""
+    e = entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, _entry)
+    return (e is not None and max(dk, dv) <= int(e["max_d"]) and "prefill_max_w" in e
+            and 1 <= width <= int(e["prefill_max_w"]))
+
+
+def gdn_prefill_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor,
+                       dims: GdnDims, *, n: Tensor | None = None, arch: int | None = None,
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gdn_inputs` of a prefill, without the FP32 conv-input cat: the conv state ``conv [B, C, W - 1]``
+    FP32 (contiguous) holds the W - 1 oldest taps, ``mixed [B, T, >= C]`` FP16 (rows evenly spaced: the
+    in_proj output's q | k | v segment) the T new ones. The same (q, k, v, beta, log_decay), bitwise,
+    as :func:`gdn_inputs` on ``cat(conv^T, mixed)``; then ``conv`` is overwritten with the W - 1 taps
+    after ``n[b]`` positions (``n`` [B] int64 on the device, each in [0, T]; None: T) -- the state a
+    prefill that commits n[b] positions keeps. CUDA: one launch (no host sync); else torch."""
+    nk, dk, nv, dv = dims
+    if conv.device.type != "cuda":
+        return reference_prefill_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, n)
+    b, c, hold = conv.shape
+    width = conv_w.shape[-1]
+    t = mixed.shape[1] if mixed.dim() == 3 else 0
+    if c != 2 * nk * dk + nv * dv or hold != width - 1 or t < 1:
+        raise GdnInputError(f"conv [B, C, W-1] = {tuple(conv.shape)} / mixed {tuple(mixed.shape)} do not fit dims "
+                            f"{dims}, W = {width}")
+    if conv.dtype != torch.float32 or not conv.is_contiguous():
+        raise GdnInputError(f"conv must be contiguous float32, got {conv.dtype} strides {conv.stride()}")
+    if mixed.dtype != torch.float16 or mixed.device != conv.device:
+        raise GdnInputError(f"mixed must be float16 on {conv.device}, got {mixed.dtype} on {mixed.device}")
+    mixed_row = _rows("mixed", mixed, b, t, c)
+    row = _check_terms(zba, conv_w, dt_bias, neg_a, b, t, c, width, dims, conv.device)
+    if n is not None and (n.dtype != torch.long or tuple(n.shape) != (b,) or n.device != conv.device):
+        raise GdnInputError(f"n must be int64 [{b}] on {conv.device}, got {n.dtype} {list(n.shape)} on {n.device}")
+    kern, idx = _kernels(conv.device, arch)
+    if max(dk, dv) > kern.max_d or not 1 <= width <= kern.prefill_max_w:
+        raise GdnInputError(f"head dims {dk} / {dv} or conv width {width} beyond the prefill inputs kernel's "
+                            f"{kern.max_d} / {kern.prefill_max_w}")
+    q, k, v, beta, log_decay = outs = _outputs(b, t, dims, conv.device)
+    vals = (conv.data_ptr(), mixed.data_ptr(), mixed_row, width, c, t, 0 if n is None else n.data_ptr(), zba.data_ptr(),
+            row, conv_w.data_ptr(), dt_bias.data_ptr(), neg_a.data_ptr(), nk, dk, nv, dv, L2_EPS,
+            dk**-0.5 / math.sqrt(dk), 1 / math.sqrt(dk), q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(),
+            log_decay.data_ptr())
+    grid = (b * -(-t // kern.prefill_tile), -(-(2 * nk + nv) // kern.warps), 1)
+    kern.prefill_args.launch(kern.prefill[max(dk, dv) > kern.prefill_narrow_d], grid, (32 * kern.warps, 1, 1),
+                             current_stream(idx), vals)
+    return outs
 
 
 def gdn_gate(o: Tensor, z: Tensor, w: Tensor, eps: float, *, arch: int | None = None) -> Tensor:
@@ -204,10 +288,6 @@ def gdn_gate(o: Tensor, z: Tensor, w: Tensor, eps: float, *, arch: int | None = 
     out = torch.empty((b, t, nv * dv), dtype=torch.float16, device=o.device)
     if b * t == 0:
         return out
-    a = kern.gate_args
-    with a.lock:
-        vals = (o.data_ptr(), z.data_ptr(), row, w.data_ptr(), eps, nv, dv, out.data_ptr())
-        for slot, val in zip(a.values, vals, strict=True):
-            slot.value = val
-        kern.gate.launch_pack((b * t, -(-nv // kern.warps), 1), (32 * kern.warps, 1, 1), a, current_stream(idx))
+    kern.gate_args.launch(kern.gate, (b * t, -(-nv // kern.warps), 1), (32 * kern.warps, 1, 1), current_stream(idx),
+                          (o.data_ptr(), z.data_ptr(), row, w.data_ptr(), eps, nv, dv, out.data_ptr()))
     return out

@@ -67,7 +67,17 @@ from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
 from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
 from .checkpoint import CheckpointReader, load_model_projections
-from .gdn_io import gdn_gate, gdn_inputs, io_available, reference_conv, reference_gate, reference_post_conv
+from .gdn_io import (
+    conv_window,
+    gdn_gate,
+    gdn_inputs,
+    gdn_prefill_inputs,
+    io_available,
+    prefill_inputs_available,
+    reference_conv,
+    reference_gate,
+    reference_post_conv,
+)
 from .gdn_kernel import (
     chunk_available,
     gdn_advance,
@@ -417,7 +427,7 @@ class DecodeState:
                 _gdn_state_at(self.ssm_all, self.stacked("k"), self.stacked("u"), self.stacked("g"), n,
                               out=self.ssm_all)
                 cat = self.stacked("conv_cat")
-            self.conv_all.copy_(_window(cat, n, self.conv_all.shape[-1]))
+            self.conv_all.copy_(conv_window(cat, n, self.conv_all.shape[-1]))
         self.lengths.copy_(lengths)
         self._span = 0
 
@@ -432,12 +442,6 @@ class DecodeState:
         self.lengths[index] = 0
         self.ssm_all[:, index].zero_()
         self.conv_all[:, index].zero_()
-
-
-def _window(cat: Tensor, n: Tensor, width: int) -> Tensor:
-    """cat[..., b, :, n[b] : n[b] + width] for every request b (cat ``[..., B, C, L]``)."""
-    idx = n.view(*([1] * (cat.dim() - 3)), -1, 1, 1) + torch.arange(width, device=cat.device)
-    return cat.gather(-1, idx.expand(*cat.shape[:-1], width))
 
 
 def _gdn_state_at(s0: Tensor, k: Tensor, u: Tensor, g: Tensor, n: Tensor, out: Tensor | None = None) -> Tensor:
@@ -521,6 +525,10 @@ class TargetModel(torch.nn.Module):
         self.fused_qk = glue("DFLASHGEN_FUSED_QK", lambda: qk_rope_available(self.device, cfg.head_dim))
         # the GDN layers' glue: conv, SiLU, q / k norms, beta / decay; the gated norm
         self.gdn_io = glue("DFLASHGEN_GDN_IO", lambda: io_available(self.device, gdn_dims[2], gdn_dims[3]))
+        # ... and of an unarmed forward (prefill, plain decoding) straight from the conv state and the
+        # in_proj output's FP16 rows: no FP32 conv-input cat (same bits)
+        self.gdn_prefill_io = self.gdn_io and glue("DFLASHGEN_GDN_PREFILL_IO", lambda: prefill_inputs_available(
+            self.device, gdn_dims[2], gdn_dims[3], gdn_dims[4]))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
@@ -799,25 +807,31 @@ class TargetModel(torch.nn.Module):
         c = 2 * nk * dk + nv * dv
         mixed, zba = self._proj(self._p(i, GDN_IN_PROJ), x).split([c, nv * dv + 2 * nv], dim=-1)
         io = self.gdn_io and zba.dtype is torch.float16  # the generated glue kernels (gdn_io)
-
-        # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
-        # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
-        parts = (state.conv[i].transpose(1, 2), mixed)
-        if keep and t <= _SMALL_CHUNK:
-            buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
-            cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
-        else:
-            cat = torch.cat(parts, dim=1).transpose(1, 2)
         form = "step" if t <= _SMALL_CHUNK else "torch" if keep else _prefill_form(x.device, dk)
-        if form != "torch":
-            # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness), or
-            # for a prefill the chunk-form kernels where $DFLASHGEN_GDN_PREFILL asks for them
-            o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay, chunked=form == "chunked")
-        else:
-            bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
-            o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
-        # gated RMSNorm with SiLU(z) (FP32), rounded once to out_proj's input dtype
         w = self.w[f"{p}.norm.weight"]
+        if io and self.gdn_prefill_io and not keep and form != "torch":
+            # unarmed (prefill, plain decoding): the inputs straight from the conv state and the FP16
+            # rows, the conv state moved to n_new in the same launch (no FP32 cat); same bits
+            inputs = gdn_prefill_inputs(state.conv[i], mixed, zba, self.w[f"{p}.conv1d.weight"].view(c, -1),
+                                        self.w[f"{p}.dt_bias"], self.neg_a[i], (nk, dk, nv, dv), n=n_new)
+            o = self._gdn_commit(state.ssm[i], inputs, n_new, form == "chunked")
+        else:
+            # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
+            # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
+            parts = (state.conv[i].transpose(1, 2), mixed)
+            if keep and t <= _SMALL_CHUNK:
+                buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
+                cat = torch.cat(parts, dim=1, out=buf).transpose(1, 2)
+            else:
+                cat = torch.cat(parts, dim=1).transpose(1, 2)
+            if form != "torch":
+                # decode / verify / unarmed prefill: the sequential kernel (module docstring: exactness),
+                # or for a prefill the chunk-form kernels where $DFLASHGEN_GDN_PREFILL asks for them
+                o = self._gdn_steps(i, cat, zba, state, n_new, keep, io, replay, chunked=form == "chunked")
+            else:
+                bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
+                o = self._gdn_chunked(i, cat, bet, a, state, n_new, keep).transpose(1, 2)
+        # gated RMSNorm with SiLU(z) (FP32), rounded once to out_proj's input dtype
         o = (gdn_gate(o.contiguous(), zba, w, self.eps) if io
              else reference_gate(o, zba[..., :nv * dv], w, self.eps, self.act_dtype))
         return self._proj(self._p(i, "out_proj"), o)  # act_dtype: the residual upcasts
@@ -865,14 +879,23 @@ class TargetModel(torch.nn.Module):
                                replay_n=None if replay is None else replay[0],
                                arrive=None if replay is None else replay[1][j])
             return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
-        s0 = state.ssm[i]
-        if t <= _SMALL_CHUNK:
+        o = self._gdn_commit(state.ssm[i], (q, k, v, beta, log_decay), n_new, chunked)
+        state.conv[i].copy_(cat[..., t:] if n_new is None else conv_window(cat, n_new, width - 1))
+        return o
+
+    @staticmethod
+    def _gdn_commit(s0: Tensor, inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], n_new: Tensor | None,
+                    chunked: bool) -> Tensor:
+        """An unarmed forward's recurrence from its inputs (q, k, v, beta, log_decay), the state ``s0``
+        committed after n_new[b] (default T) positions in place; o [B, T, Hv, dv]. T <= 16: the step
+        kernel; longer: the sequential prefill kernel, or the chunk-form pair where ``chunked``."""
+        q, k, v, beta, log_decay = inputs
+        if q.shape[1] <= _SMALL_CHUNK:
             o, _, _ = gdn_step(s0, q, k, v, beta, log_decay, commit=s0, n=n_new)  # in place
         elif chunked:
             o = gdn_prefill_chunked(s0, q, k, v, beta, log_decay, n=n_new)  # in place: prep + scan
         else:
             o = gdn_prefill(s0, q, k, v, beta, log_decay, n=n_new)  # in place, one launch
-        state.conv[i].copy_(cat[..., t:] if n_new is None else _window(cat, n_new, width - 1))
         return o
 
     def _gdn_chunked(self, i: int, cat: Tensor, bet: Tensor, a: Tensor, state: DecodeState,
@@ -913,7 +936,7 @@ class TargetModel(torch.nn.Module):
                 state.conv[i].copy_(cat[..., t:])
             else:
                 state.ssm[i].copy_(final)
-                state.conv[i].copy_(_window(cat, n_new, width - 1))
+                state.conv[i].copy_(conv_window(cat, n_new, width - 1))
         return o
 
 

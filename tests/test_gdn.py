@@ -63,11 +63,13 @@ def test_family_renders_every_arch_and_key_dim() -> None:
         assert f"scan<{dk}, 32, 16, 128>" in k.source and f"prep<{dk}, 32, 128>" in k.source
         assert f"scan_smem_bytes<{dk}, 32, 16>() == {k.meta['smem']}" in k.source
         assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn_chunk.cuh>" in k.source
-    assert {k.name for k in io} == {f"dfg_sm{a}_gdnio_w4_d256" for a in (70, 80, 90)}
-    for k in io:  # one pair per arch, dims at run time
-        assert f"{k.name}(" in k.source and f"{k.name}_gate(" in k.source
+    assert {k.name for k in io} == {f"dfg_sm{a}_gdnio_w4_d256_pt16" for a in (70, 80, 90)}
+    for k in io:  # one set per arch, dims at run time
+        assert f"{k.name}(" in k.source and f"{k.name}_gate(" in k.source and f"{k.name}_prefill(" in k.source
         assert "#include <dflashgen/gdn_io.cuh>" in k.source
         assert "inputs<4>(" in k.source and "gate<4>(" in k.source and (k.meta["warps"], k.meta["max_d"]) == (4, 256)
+        assert "prefill_inputs<4, 16, dflashgen::gdn_io::PER_LANE>(" in k.source  # _prefill_wide; _prefill: 4 per lane
+        assert (k.meta["prefill_tile"], k.meta["prefill_max_w"], k.meta["prefill_narrow_d"]) == (16, 4, 128)
     assert {(k.arch, k.meta["dk"]) for k in ks} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     assert {(k.arch, k.meta["dk"]) for k in pf} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     for k in pf:
@@ -118,7 +120,7 @@ def test_family_compiles_without_spills(arch: int) -> None:
             assert set(entries) == {a.name, a.name + "_prep"}
             continue
         if "_gdnio_" in a.name:
-            assert set(entries) == {a.name, a.name + "_gate"}
+            assert set(entries) == {a.name, a.name + "_gate", a.name + "_prefill", a.name + "_prefill_wide"}
             continue
         assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance", a.name + "_replay"})
         ptx = a.ptx.read_text()

@@ -1,8 +1,9 @@
 """GPU: the GDN glue kernels (family "gdn", mode "io") on an H200 -- ``gdn_inputs`` (conv, SiLU, q / k
 L2 norms, beta, log decay) and ``gdn_gate`` (gated RMSNorm, FP16 out) against their torch formulation
 (FP32 rel. error <= 1e-5; FP16 out <= 1e-3), a position's bits the same whatever T and B (one-position
-calls == one T-position call, bitwise), CUDA-graph replay == eager; the sm_90 cubin and the compute_70
-PTX (JIT-compiled by the driver). Skips cleanly without a GPU."""
+calls == one T-position call, bitwise), ``gdn_prefill_inputs`` (from the conv state and the FP16 rows)
+bitwise ``gdn_inputs`` on their cat with the conv state moved to n[b], CUDA-graph replay == eager; the
+sm_90 cubin and the compute_70 PTX (JIT-compiled by the driver). Skips cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -84,8 +85,45 @@ def test_positions_are_exact_whatever_t_and_b(arch: str | int) -> None:
             assert torch.equal(g1[0, 0], gate[r, p])
 
 
+def _prefill_case(b: int, t: int, dims: tuple[int, int, int, int], width: int, seed: int):
+    """conv state [B, C, W - 1] FP32, the in_proj output row [B, T, C | z | b | a] FP16 (mixed and zba
+    are views of it, as in the target), conv weight [C, W], dt_bias, neg_a."""
+    nk, dk, nv, dv = dims
+    c = 2 * nk * dk + nv * dv
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    conv = torch.randn(b, c, width - 1, generator=g, device="cuda")
+    full = (torch.randn(b, t, c + nv * dv + 2 * nv, generator=g, device="cuda") * 2).half()
+    conv_w = torch.randn(c, width, generator=g, device="cuda") * 0.5
+    dt_bias = torch.randn(nv, generator=g, device="cuda")
+    neg_a = -torch.rand(nv, generator=g, device="cuda") * 4
+    return conv, full[..., :c], full[..., c:], conv_w, dt_bias, neg_a
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dims", [*DIMS, (2, 256, 3, 192)])  # the last: the _prefill_wide entry (dims > 128)
+def test_prefill_inputs_equal_inputs_on_the_cat(arch: str | int, dims: tuple[int, int, int, int]) -> None:
+    """gdn_prefill_inputs == gdn_inputs on cat(conv^T, mixed) bitwise (every tile boundary, ragged T,
+    widths 1-4), and the conv state after it == the cat's window after n[b] positions (n given or T)."""
+    from dflashgen.runtime.gdn_io import conv_window, gdn_inputs, gdn_prefill_inputs
+
+    for b, t, width in ((1, 1, 4), (2, 17, 4), (3, 40, 4), (1, 1023, 4), (2, 33, 2), (2, 5, 1), (1, 20, 3)):
+        conv, mixed, zba, conv_w, dt_bias, neg_a = _prefill_case(b, t, dims, width, seed=b * 1000 + t + width)
+        for n in (None, torch.randint(0, t + 1, (b,), device="cuda")):
+            state = conv.clone()
+            got = gdn_prefill_inputs(state, mixed, zba, conv_w, dt_bias, neg_a, dims, n=n, arch=_arch(arch))
+            cat_tm = torch.cat((conv.transpose(1, 2), mixed.float()), dim=1)
+            ref = gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims, arch=_arch(arch))
+            torch.cuda.synchronize()
+            for name, x, y in zip(("q", "k", "v", "beta", "log_decay"), got, ref, strict=True):
+                assert x.shape == y.shape and x.is_contiguous(), name
+                assert torch.equal(x, y), (name, b, t, width, n)
+            cat = cat_tm.transpose(1, 2)
+            want = cat[..., t:] if n is None else conv_window(cat, n, width - 1)
+            assert torch.equal(state, want), (b, t, width, n)
+
+
 def test_graph_replay_equals_eager() -> None:
-    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs
+    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_prefill_inputs
 
     dims = DIMS[0]
     cat_tm, zba, conv_w, dt_bias, neg_a = _case(2, 8, dims, seed=12)
@@ -96,19 +134,30 @@ def test_graph_replay_equals_eager() -> None:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
+    conv, mixed, zba_p, conv_w_p, dt_bias_p, neg_a_p = _prefill_case(2, 20, dims, WIDTH, seed=17)
+    n = torch.tensor([20, 7], device="cuda")
+    state = conv.clone()
+    gdn_prefill_inputs(state, mixed, zba_p, conv_w_p, dt_bias_p, neg_a_p, dims, n=n)
     with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        outs = (*gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims), gdn_gate(o, zba, w, 1e-6))
+        outs = (*gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims), gdn_gate(o, zba, w, 1e-6),
+                *gdn_prefill_inputs(state, mixed, zba_p, conv_w_p, dt_bias_p, neg_a_p, dims, n=n))
     new = _case(2, 8, dims, seed=13)
     cat_tm.copy_(new[0])
     zba.copy_(new[1])
+    state.copy_(conv)
+    n.copy_(torch.tensor([3, 20]))
     g.replay()
+    replayed_state = state.clone()
     torch.cuda.synchronize()
-    eager = (*gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims), gdn_gate(o, zba, w, 1e-6))
+    state.copy_(conv)
+    eager = (*gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims), gdn_gate(o, zba, w, 1e-6),
+             *gdn_prefill_inputs(state, mixed, zba_p, conv_w_p, dt_bias_p, neg_a_p, dims, n=n))
     assert all(torch.equal(a, b) for a, b in zip(outs, eager, strict=True))
+    assert torch.equal(replayed_state, state)
 
 
 def test_bad_inputs_raise() -> None:
-    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs
+    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_prefill_inputs
     from dflashgen.runtime.gdn_kernel import GdnInputError
 
     dims = DIMS[1]
@@ -119,5 +168,16 @@ def test_bad_inputs_raise() -> None:
         gdn_inputs(cat_tm.transpose(1, 2).contiguous().transpose(1, 2), zba, conv_w, dt_bias, neg_a, dims)
     with pytest.raises(GdnInputError, match="does not fit dims"):
         gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, (dims[0], dims[1], dims[2] + 1, dims[3]))
+    conv, mixed, zba2, conv_w2, dt_bias2, neg_a2 = _prefill_case(2, 4, dims, WIDTH, seed=15)
+    with pytest.raises(GdnInputError, match="conv must be contiguous"):
+        gdn_prefill_inputs(conv.transpose(1, 2).contiguous().transpose(1, 2), mixed, zba2, conv_w2, dt_bias2,
+                           neg_a2, dims)
+    with pytest.raises(GdnInputError, match="mixed must be float16"):
+        gdn_prefill_inputs(conv, mixed.float(), zba2, conv_w2, dt_bias2, neg_a2, dims)
+    with pytest.raises(GdnInputError, match="n must be int64"):
+        gdn_prefill_inputs(conv, mixed, zba2, conv_w2, dt_bias2, neg_a2, dims, n=torch.ones(2, device="cuda"))
+    wide = _prefill_case(2, 4, dims, 6, seed=16)  # conv width 6: above the kernel's 4
+    with pytest.raises(GdnInputError, match="conv width 6"):
+        gdn_prefill_inputs(*wide, dims)
     with pytest.raises(GdnInputError, match="o must be contiguous"):
         gdn_gate(torch.randn(2, 4, dims[2], dims[3], device="cuda").transpose(0, 1), zba, dt_bias, 1e-6)

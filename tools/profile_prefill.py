@@ -3,7 +3,8 @@ synthetic target, one 1023-token prompt (eager prefill is host-bound when CPU ti
 ``--gdn chunked`` profiles the GDN layers on the generated chunk-form kernels, ``--gdn torch`` in the
 torch chunk (matrix) form, instead of the sequential prefill kernel (``DFLASHGEN_GDN_PREFILL``), for
 before / after.
-    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn sequential|chunked|torch]"""
+    python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn sequential|chunked|torch]
+                                      [--rows 18] [--shapes]"""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1023)
+    ap.add_argument("--rows", type=int, default=18, help="rows of the CUDA-time table (default 18)")
+    ap.add_argument("--shapes", action="store_true", help="also a table of ops grouped by input shapes")
     ap.add_argument("--gdn", choices=("sequential", "chunked", "torch"), default="sequential",
                     help="GDN prefill: the sequential prefill kernel (default), the chunk-form kernels or the "
                          "torch chunk form")
@@ -39,10 +42,13 @@ def main() -> None:
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
     print(f"prefill of {a.tokens} tokens, {a.layers} layers, GDN {a.gdn}: {ms:.1f} ms wall")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=a.shapes) as prof:
         target(toks, target.new_state(1, a.tokens), num_new=n_new, logits=False)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60))
+    if a.shapes:  # which aten op (and shapes) each glue kernel belongs to
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=a.rows,
+                                                                  max_name_column_width=40, max_shapes_column_width=90))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 

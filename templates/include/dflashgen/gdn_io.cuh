@@ -34,6 +34,52 @@ __device__ __forceinline__ float warp_sum(float s) {
   return s;
 }
 
+// One head unit's channels at one position: q heads, then k heads (L2-normalised, times `factor`),
+// then v heads (as they are).
+struct Unit {
+  int ch0, d;
+  float* __restrict__ out;  // this position's head row
+  float factor;
+  bool norm;
+};
+
+__device__ __forceinline__ Unit unit_at(int unit, long long pos, int nk, int dk, int nv, int dv, float q_factor,
+                                        float k_factor, float* q, float* k, float* v) {
+  if (unit < 2 * nk) {
+    const int head = unit < nk ? unit : unit - nk;
+    return {unit * dk, dk, (unit < nk ? q : k) + (pos * nk + head) * dk, unit < nk ? q_factor : k_factor, true};
+  }
+  const int head = unit - 2 * nk;
+  return {2 * nk * dk + head * dv, dv, v + (pos * nv + head) * dv, 0.f, false};
+}
+
+// SiLU'd conv outputs `val` (lane's channels lane, lane + 32, ...; ss = their sum of squares in
+// that order) -> the L2 norm for q / k, then this position's row of the unit.
+template <int PL>
+__device__ __forceinline__ void store_unit(float (&val)[PL], float ss, const Unit& u, float l2_eps, int lane) {
+  if (u.norm) {
+    const float fd = static_cast<float>(u.d);
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), fd), __fdiv_rn(l2_eps, fd)));
+#pragma unroll
+    for (int i = 0; i < PL; ++i) val[i] = __fmul_rn(__fmul_rn(val[i], inv), u.factor);
+  }
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int ch = lane + 32 * i;
+    if (ch < u.d) u.out[ch] = val[i];
+  }
+}
+
+// beta = sigmoid(b), log_decay = -exp(A_log) * softplus(a + dt_bias) of value head h at position pos.
+__device__ __forceinline__ void gate_terms(long long pos, int h, const __half* __restrict__ zba, long long zba_row,
+                                           const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
+                                           int nv, int dv, float* __restrict__ beta, float* __restrict__ log_decay) {
+  const __half* __restrict__ row = zba + pos * zba_row + static_cast<long long>(nv) * dv;  // [b | a]
+  beta[pos * nv + h] = sigmoid(__half2float(row[h]));
+  const float a = __fadd_rn(__half2float(row[nv + h]), dt_bias[h]);
+  log_decay[pos * nv + h] = __fmul_rn(neg_a[h], softplus(a));
+}
+
 template <int WARPS>
 __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width, int c, int t_len,
                                        const __half* __restrict__ zba, long long zba_row,
@@ -50,55 +96,146 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
   // position t's taps are cat rows t .. t + W - 1 (the W - 1 rows before T are the conv state)
   const float* __restrict__ x0 = cat + (static_cast<long long>(b) * span + t) * c;
   if (unit < 2 * nk + nv) {
-    int ch0, d, head;
-    float* __restrict__ out;
-    float factor = 0.f;
-    if (unit < 2 * nk) {
-      head = unit < nk ? unit : unit - nk;
-      d = dk;
-      ch0 = unit * dk;  // q heads, then k heads
-      out = (unit < nk ? q : k) + (static_cast<long long>(pos) * nk + head) * dk;
-      factor = unit < nk ? q_factor : k_factor;
-    } else {
-      head = unit - 2 * nk;
-      d = dv;
-      ch0 = 2 * nk * dk + head * dv;
-      out = v + (static_cast<long long>(pos) * nv + head) * dv;
-    }
+    const Unit u = unit_at(unit, pos, nk, dk, nv, dv, q_factor, k_factor, q, k, v);
     float val[PER_LANE];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
       const int ch = lane + 32 * i;
       val[i] = 0.f;
-      if (ch < d) {
-        const float* __restrict__ wc = conv_w + static_cast<long long>(ch0 + ch) * width;
-        float acc = __fmul_rn(x0[ch0 + ch], wc[0]);
-        for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + ch0 + ch], wc[j]));
+      if (ch < u.d) {
+        const float* __restrict__ wc = conv_w + static_cast<long long>(u.ch0 + ch) * width;
+        float acc = __fmul_rn(x0[u.ch0 + ch], wc[0]);
+        for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + u.ch0 + ch], wc[j]));
         val[i] = silu(acc);
         ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
       }
     }
-    if (unit < 2 * nk) {
-      const float fd = static_cast<float>(d);
-      const float inv = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), fd), __fdiv_rn(l2_eps, fd)));
+    store_unit(val, ss, u, l2_eps, lane);
+  }
+  if (blockIdx.y == 0) {
+    for (int h = threadIdx.x; h < nv; h += WARPS * 32) gate_terms(pos, h, zba, zba_row, dt_bias, neg_a, nv, dv, beta, log_decay);
+  }
+}
+
+// inputs for a prefill, without the FP32 conv-input tensor: the W - 1 oldest taps of the first
+// positions come from the conv state `conv` ([B, C, W - 1] FP32), the rest from the in_proj output's
+// FP16 rows (`mixed`, row stride `mixed_row`; upcast exactly, so the taps are the values `inputs`
+// reads from the cat). Grid (B x ceil(T / TT), ceil(units / WARPS)): a warp walks TT positions of
+// one unit keeping the last W - 1 taps and the conv weights in registers (each input read once, the
+// next position's loaded while this one computes); lane channels lane, lane + 32, ... (PL of them)
+// and every position's arithmetic are `inputs`', in its order, so the bits are. The warps of a
+// request's first TT positions, the only readers of the conv state, then overwrite it (in place,
+// each lane its channels, every read of an entry before its write) with the W - 1 taps after n[b]
+// positions (T where n is null): the state a commit after n[b] positions keeps.
+template <int WARPS, int TT, int W, int PL>
+__device__ __forceinline__ void prefill_inputs_w(float* conv, const __half* __restrict__ mixed, long long mixed_row,
+                                                 int c, int t_len, const long long* __restrict__ n,
+                                                 const __half* __restrict__ zba, long long zba_row,
+                                                 const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
+                                                 const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
+                                                 float l2_eps, float q_factor, float k_factor,
+                                                 float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
+                                                 float* __restrict__ beta, float* __restrict__ log_decay) {
+  static_assert(TT >= W - 1, "only a request's first tile may read the conv state");
+  constexpr int H = W > 1 ? W - 1 : 1;  // taps held from earlier positions
+  const int tiles = (t_len + TT - 1) / TT;
+  const int b = blockIdx.x / tiles, t0 = (blockIdx.x - b * tiles) * TT;
+  const int t1 = min(t0 + TT, t_len);
+  const int lane = threadIdx.x & 31;
+  const int unit = blockIdx.y * WARPS + (threadIdx.x >> 5);
+  const long long row0 = static_cast<long long>(b) * t_len;  // position index of (b, 0)
+  if (unit < 2 * nk + nv) {
+    const Unit u0 = unit_at(unit, 0, nk, dk, nv, dv, q_factor, k_factor, q, k, v);
+    float* state = conv + (static_cast<long long>(b) * c + u0.ch0) * (W - 1);  // [ch][W - 1] of this unit
+    const __half* __restrict__ in = mixed + row0 * mixed_row + u0.ch0;  // position 0's row, this unit
+    // cat row r of request b (r < W - 1: the conv state, else position r - (W - 1))
+    auto tap = [&](int r, int ch) -> float {
+      return r < W - 1 ? state[ch * (W - 1) + r] : __half2float(in[(r - (W - 1)) * mixed_row + ch]);
+    };
+    auto load = [&](float (&x)[PL], int t) {
 #pragma unroll
-      for (int i = 0; i < PER_LANE; ++i) val[i] = __fmul_rn(__fmul_rn(val[i], inv), factor);
-    }
+      for (int i = 0; i < PL; ++i) {
+        const int ch = lane + 32 * i;
+        x[i] = ch < u0.d ? __half2float(in[t * mixed_row + ch]) : 0.f;
+      }
+    };
+    float wt[PL][W], hold[PL][H], next[PL];
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
+    for (int i = 0; i < PL; ++i) {
       const int ch = lane + 32 * i;
-      if (ch < d) out[ch] = val[i];
+#pragma unroll
+      for (int j = 0; j < W; ++j) wt[i][j] = ch < u0.d ? conv_w[static_cast<long long>(u0.ch0 + ch) * W + j] : 0.f;
+#pragma unroll
+      for (int j = 0; j < W - 1; ++j) hold[i][j] = ch < u0.d ? tap(t0 + j, ch) : 0.f;
+    }
+    load(next, t0);
+    for (int t = t0; t < t1; ++t) {
+      float x[PL], val[PL];
+#pragma unroll
+      for (int i = 0; i < PL; ++i) x[i] = next[i];
+      if (t + 1 < t1) load(next, t + 1);
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int ch = lane + 32 * i;
+        val[i] = 0.f;
+        if (ch < u0.d) {
+          float acc = __fmul_rn(W > 1 ? hold[i][0] : x[i], wt[i][0]);
+#pragma unroll
+          for (int j = 1; j < W - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(hold[i][j], wt[i][j]));
+          if (W > 1) acc = __fadd_rn(acc, __fmul_rn(x[i], wt[i][W - 1]));
+#pragma unroll
+          for (int j = 0; j + 1 < W - 1; ++j) hold[i][j] = hold[i][j + 1];
+          if (W > 1) hold[i][W - 2] = x[i];
+          val[i] = silu(acc);
+          ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
+        }
+      }
+      store_unit(val, ss, unit_at(unit, row0 + t, nk, dk, nv, dv, q_factor, k_factor, q, k, v), l2_eps, lane);
+    }
+    if (t0 == 0 && W > 1) {  // the new conv state: cat rows n[b] .. n[b] + W - 2, ascending (reads first)
+      const int nb = n != nullptr ? static_cast<int>(n[b]) : t_len;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int ch = lane + 32 * i;
+        if (ch >= u0.d) continue;
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) state[ch * (W - 1) + j] = tap(nb + j, ch);
+      }
     }
   }
   if (blockIdx.y == 0) {
-    const __half* __restrict__ row = zba + pos * zba_row + static_cast<long long>(nv) * dv;  // [b | a]
-    for (int h = threadIdx.x; h < nv; h += WARPS * 32) {
-      beta[static_cast<long long>(pos) * nv + h] = sigmoid(__half2float(row[h]));
-      const float a = __fadd_rn(__half2float(row[nv + h]), dt_bias[h]);
-      log_decay[static_cast<long long>(pos) * nv + h] = __fmul_rn(neg_a[h], softplus(a));
+    for (int e = threadIdx.x; e < (t1 - t0) * nv; e += WARPS * 32) {
+      const int t = t0 + e / nv;
+      gate_terms(row0 + t, e - (t - t0) * nv, zba, zba_row, dt_bias, neg_a, nv, dv, beta, log_decay);
     }
   }
+}
+
+constexpr int PREFILL_MAX_W = 4;  // conv widths the prefill inputs take (Qwen3.8: 4); wider ones use `inputs`
+constexpr int PREFILL_NARROW_D = 128;  // head dims the narrow entry takes (PL = 4: half the registers of MAX_D's 8)
+
+template <int WARPS, int TT, int PL>
+__device__ __forceinline__ void prefill_inputs(float* conv, const __half* __restrict__ mixed, long long mixed_row,
+                                               int width, int c, int t_len, const long long* __restrict__ n,
+                                               const __half* __restrict__ zba, long long zba_row,
+                                               const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
+                                               const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
+                                               float l2_eps, float q_factor, float k_factor,
+                                               float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
+                                               float* __restrict__ beta, float* __restrict__ log_decay) {
+#define DFG_GDN_PREFILL_INPUTS(W)                                                                               \
+  prefill_inputs_w<WARPS, TT, W, PL>(conv, mixed, mixed_row, c, t_len, n, zba, zba_row, conv_w, dt_bias, neg_a, \
+                                     nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta, log_decay)
+  switch (width) {  // uniform: one instantiation runs
+    case 1: DFG_GDN_PREFILL_INPUTS(1); break;
+    case 2: DFG_GDN_PREFILL_INPUTS(2); break;
+    case 3: DFG_GDN_PREFILL_INPUTS(3); break;
+    case 4: DFG_GDN_PREFILL_INPUTS(4); break;
+    default: break;  // the host refuses these (runtime/gdn_io.py)
+  }
+#undef DFG_GDN_PREFILL_INPUTS
 }
 
 template <int WARPS>
