@@ -9,7 +9,7 @@
 // dims       heads, head dims (<= 256) and conv width at run time
 // launch     grid (B x T, ceil(units / 4)), 128 threads: one warp per head and position;
 //            _prefill: grid (B x ceil(T / 16), ceil(units / 4)), conv width <= 4,
-//            head dims <= 128 (_prefill_wide: <= 256, twice the registers)
+//            head dims <= 128 at >= 6 CTAs per SM (_prefill_wide: <= 256, twice the registers)
 #include <dflashgen/gdn_io.cuh>
 #include <dflashgen/pdl.cuh>
 
