@@ -18,6 +18,8 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#include "gdn.cuh"  // copy16: the step kernels' 16-byte staging copy
+
 namespace dflashgen {
 namespace gdn_io {
 
@@ -121,16 +123,16 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
 // inputs for a prefill, without the FP32 conv-input tensor: the W - 1 oldest taps of the first
 // positions come from the conv state `conv` ([B, C, W - 1] FP32), the rest from the in_proj output's
 // FP16 rows (`mixed`, row stride `mixed_row`; upcast exactly, so the taps are the values `inputs`
-// reads from the cat). Grid (B x ceil(T / TT), ceil(units / WARPS)): a warp walks TT positions of
-// one unit keeping the last W - 1 taps and the conv weights in registers (each input read once, the
-// next position's loaded while this one computes); lane channels lane, lane + 32, ... (PL of them)
+// reads from the cat). Grid (B x ceil(T / TT), ceil(units / WARPS)): a warp stages its unit's TT rows
+// in shared memory (every copy in flight at once), then walks the positions keeping the last W - 1
+// taps and the conv weights in registers (each input read once); lane channels lane, lane + 32, ... (PL of them)
 // and every position's arithmetic are `inputs`', in its order, so the bits are. The warps of a
 // request's first TT positions, the only readers of the conv state, then overwrite it (in place,
 // each lane its channels, every read of an entry before its write) with the W - 1 taps after n[b]
 // positions (T where n is null): the state a commit after n[b] positions keeps.
 template <int WARPS, int TT, int W, int PL>
-__device__ __forceinline__ void prefill_inputs_w(float* conv, const __half* __restrict__ mixed, long long mixed_row,
-                                                 int c, int t_len, const long long* __restrict__ n,
+__device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, const __half* __restrict__ mixed,
+                                                 long long mixed_row, int c, int t_len, const long long* __restrict__ n,
                                                  const __half* __restrict__ zba, long long zba_row,
                                                  const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
                                                  const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
@@ -153,14 +155,29 @@ __device__ __forceinline__ void prefill_inputs_w(float* conv, const __half* __re
     auto tap = [&](int r, int ch) -> float {
       return r < W - 1 ? state[ch * (W - 1) + r] : __half2float(in[(r - (W - 1)) * mixed_row + ch]);
     };
-    auto load = [&](float (&x)[PL], int t) {
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int ch = lane + 32 * i;
-        x[i] = ch < u0.d ? __half2float(in[t * mixed_row + ch]) : 0.f;
+    // this warp's TT rows of the unit's channels, all in flight at once: 16-byte copies (cp.async on
+    // sm_80+) where the rows allow, else 2-byte loads; then read back lane channel by lane channel
+    __half(*rows)[PL * 32] = reinterpret_cast<__half(*)[PL * 32]>(stage + (threadIdx.x >> 5) * TT * PL * 32);
+    const bool vec = ((reinterpret_cast<unsigned long long>(in) | static_cast<unsigned long long>(mixed_row) * 2 |
+                       static_cast<unsigned>(u0.d) * 2) & 15) == 0;
+    if (vec) {
+      const int chunks = u0.d / 8;  // 16-byte chunks per row
+      for (int e = lane; e < (t1 - t0) * chunks; e += 32) {
+        const int r = e / chunks, j = e - r * chunks;
+        gdn::copy16(reinterpret_cast<float*>(&rows[r][8 * j]),
+                    reinterpret_cast<const float*>(in + static_cast<long long>(t0 + r) * mixed_row + 8 * j));
       }
-    };
-    float wt[PL][W], hold[PL][H], next[PL];
+      gdn::copy16_wait();
+    } else {
+      for (int r = 0; r < t1 - t0; ++r) {
+#pragma unroll
+        for (int i = 0; i < PL; ++i) {
+          const int ch = lane + 32 * i;
+          if (ch < u0.d) rows[r][ch] = in[static_cast<long long>(t0 + r) * mixed_row + ch];
+        }
+      }
+    }
+    float wt[PL][W], hold[PL][H];
 #pragma unroll
     for (int i = 0; i < PL; ++i) {
       const int ch = lane + 32 * i;
@@ -169,12 +186,14 @@ __device__ __forceinline__ void prefill_inputs_w(float* conv, const __half* __re
 #pragma unroll
       for (int j = 0; j < W - 1; ++j) hold[i][j] = ch < u0.d ? tap(t0 + j, ch) : 0.f;
     }
-    load(next, t0);
+    __syncwarp();
     for (int t = t0; t < t1; ++t) {
       float x[PL], val[PL];
 #pragma unroll
-      for (int i = 0; i < PL; ++i) x[i] = next[i];
-      if (t + 1 < t1) load(next, t + 1);
+      for (int i = 0; i < PL; ++i) {
+        const int ch = lane + 32 * i;
+        x[i] = ch < u0.d ? __half2float(rows[t - t0][ch]) : 0.f;
+      }
       float ss = 0.f;
 #pragma unroll
       for (int i = 0; i < PL; ++i) {
@@ -225,9 +244,11 @@ __device__ __forceinline__ void prefill_inputs(float* conv, const __half* __rest
                                                float l2_eps, float q_factor, float k_factor,
                                                float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
                                                float* __restrict__ beta, float* __restrict__ log_decay) {
-#define DFG_GDN_PREFILL_INPUTS(W)                                                                               \
-  prefill_inputs_w<WARPS, TT, W, PL>(conv, mixed, mixed_row, c, t_len, n, zba, zba_row, conv_w, dt_bias, neg_a, \
-                                     nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta, log_decay)
+  __shared__ __align__(16) __half stage[WARPS * TT * PL * 32];  // [warp][TT rows][PL * 32 channels]
+#define DFG_GDN_PREFILL_INPUTS(W)                                                                      \
+  prefill_inputs_w<WARPS, TT, W, PL>(stage, conv, mixed, mixed_row, c, t_len, n, zba, zba_row, conv_w, \
+                                     dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, \
+                                     beta, log_decay)
   switch (width) {  // uniform: one instantiation runs
     case 1: DFG_GDN_PREFILL_INPUTS(1); break;
     case 2: DFG_GDN_PREFILL_INPUTS(2); break;
