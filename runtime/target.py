@@ -52,6 +52,7 @@ holds only its heads' KV / GDN state.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import zlib
@@ -760,12 +761,13 @@ class TargetModel(torch.nn.Module):
         dt = torch.float16 if kc.dtype.itemsize == 1 else kc.dtype  # the cache's type (FP8: FP16, exact)
         # [B, Hkv, L, D] views (an FP8 cache upcast before the heads are repeated: once per KV head)
         k, v = kc[:, :length].transpose(1, 2).to(dt), vc[:, :length].transpose(1, 2).to(dt)
-        if hkv != h:  # grouped heads: one copy per query head (the memory-efficient kernel wants them)
+        gqa = hkv != h and _native_gqa(q.device)
+        if hkv != h and not gqa:  # grouped heads: one copy per query head (the memory-efficient kernel wants them)
             k = k.repeat_interleave(h // hkv, dim=1)
             v = v.repeat_interleave(h // hkv, dim=1)
         visible = torch.arange(length, device=q.device) <= pos[:, :, None]  # [B, T, L]
         o = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=visible[:, None],
-                                           scale=d**-0.5)
+                                           scale=d**-0.5, enable_gqa=gqa)
         return o.transpose(1, 2)  # [B, T, H, D] view
 
     @staticmethod
@@ -945,6 +947,18 @@ def _fused_prefill_attention(q: Tensor) -> bool:
     CUDA (queries of any float type: FP16 / BF16 operands, those of the cache, FP16 for an FP8 one),
     unless ``DFLASHGEN_PREFILL_ATTENTION=reference``."""
     return q.device.type == "cuda" and os.environ.get("DFLASHGEN_PREFILL_ATTENTION", "") != "reference"
+
+
+@functools.cache
+def _native_gqa(device: torch.device) -> bool:
+    """Whether the fused prefill attention passes grouped K / V heads as they are (``enable_gqa``)
+    rather than repeated per query head: sm_90 with cuDNN attention enabled, whose fused kernel takes
+    them directly -- bitwise the repeated form's output on the H200 at Qwen3.8's shapes (1023 x 1024,
+    24 / 4 heads of 256: 207 vs 267 us, bench/h200-2026-12-01-s33/call4/sdpa.txt). Elsewhere (a V100:
+    no cuDNN attention; there the memory-efficient kernel needs equal head counts and enable_gqa
+    would fall back to the unfused math path) the heads are repeated."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and torch.backends.cuda.cudnn_sdp_enabled())
 
 
 PREFILL_FORMS = ("sequential", "chunked", "torch")
