@@ -22,8 +22,8 @@ dfg_sm80_gdnio_w4_d256_pt16(const float* __restrict__ cat, int width, int c, int
     const float* __restrict__ neg_a, int nk, int dk, int nv, int dv, float l2_eps, float q_factor, float k_factor,
     float* __restrict__ q, float* __restrict__ k, float* __restrict__ v, float* __restrict__ beta,
     float* __restrict__ log_decay) {
-  dflashgen::gdn_io::inputs<4>(cat, width, c, t_len, zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv,
-      l2_eps, q_factor, k_factor, q, k, v, beta, log_decay);
+  dflashgen::gdn_io::inputs<4>(cat, width, c, t_len, {zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv,
+      l2_eps, q_factor, k_factor, q, k, v, beta, log_decay});
 }
 
 
@@ -34,8 +34,8 @@ dfg_sm80_gdnio_w4_d256_pt16_prefill(float* conv, const __half* __restrict__ mixe
     int dk, int nv, int dv, float l2_eps, float q_factor, float k_factor, float* __restrict__ q,
     float* __restrict__ k, float* __restrict__ v, float* __restrict__ beta, float* __restrict__ log_decay) {
   dflashgen::gdn_io::prefill_inputs<4, 16, dflashgen::gdn_io::PREFILL_NARROW_D / 32>(conv, mixed, mixed_row, width, c,
-      t_len, n, zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta,
-      log_decay);
+      t_len, n, {zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta,
+      log_decay});
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1)
@@ -45,8 +45,8 @@ dfg_sm80_gdnio_w4_d256_pt16_prefill_wide(float* conv, const __half* __restrict__
     int dk, int nv, int dv, float l2_eps, float q_factor, float k_factor, float* __restrict__ q,
     float* __restrict__ k, float* __restrict__ v, float* __restrict__ beta, float* __restrict__ log_decay) {
   dflashgen::gdn_io::prefill_inputs<4, 16, dflashgen::gdn_io::PER_LANE>(conv, mixed, mixed_row, width, c,
-      t_len, n, zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta,
-      log_decay);
+      t_len, n, {zba, zba_row, conv_w, dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, beta,
+      log_decay});
 }
 
 

@@ -36,6 +36,24 @@ __device__ __forceinline__ float warp_sum(float s) {
   return s;
 }
 
+// What both inputs kernels share: the in_proj output's b / a segment, the conv weight [C, W], the
+// decay parameters, head counts and dims, the L2-norm terms and the outputs (q, k [B, T, Hk, dk],
+// v [B, T, Hv, dv], beta / log_decay [B, T, Hv], FP32).
+struct Terms {
+  const __half* __restrict__ zba;
+  long long zba_row;
+  const float* __restrict__ conv_w;
+  const float* __restrict__ dt_bias;
+  const float* __restrict__ neg_a;
+  int nk, dk, nv, dv;
+  float l2_eps, q_factor, k_factor;
+  float* __restrict__ q;
+  float* __restrict__ k;
+  float* __restrict__ v;
+  float* __restrict__ beta;
+  float* __restrict__ log_decay;
+};
+
 // One head unit's channels at one position: q heads, then k heads (L2-normalised, times `factor`),
 // then v heads (as they are).
 struct Unit {
@@ -45,14 +63,14 @@ struct Unit {
   bool norm;
 };
 
-__device__ __forceinline__ Unit unit_at(int unit, long long pos, int nk, int dk, int nv, int dv, float q_factor,
-                                        float k_factor, float* q, float* k, float* v) {
-  if (unit < 2 * nk) {
-    const int head = unit < nk ? unit : unit - nk;
-    return {unit * dk, dk, (unit < nk ? q : k) + (pos * nk + head) * dk, unit < nk ? q_factor : k_factor, true};
+__device__ __forceinline__ Unit unit_at(int unit, long long pos, const Terms& a) {
+  if (unit < 2 * a.nk) {
+    const int head = unit < a.nk ? unit : unit - a.nk;
+    return {unit * a.dk, a.dk, (unit < a.nk ? a.q : a.k) + (pos * a.nk + head) * a.dk,
+            unit < a.nk ? a.q_factor : a.k_factor, true};
   }
-  const int head = unit - 2 * nk;
-  return {2 * nk * dk + head * dv, dv, v + (pos * nv + head) * dv, 0.f, false};
+  const int head = unit - 2 * a.nk;
+  return {2 * a.nk * a.dk + head * a.dv, a.dv, a.v + (pos * a.nv + head) * a.dv, 0.f, false};
 }
 
 // SiLU'd conv outputs `val` (lane's channels lane, lane + 32, ...; ss = their sum of squares in
@@ -73,23 +91,15 @@ __device__ __forceinline__ void store_unit(float (&val)[PL], float ss, const Uni
 }
 
 // beta = sigmoid(b), log_decay = -exp(A_log) * softplus(a + dt_bias) of value head h at position pos.
-__device__ __forceinline__ void gate_terms(long long pos, int h, const __half* __restrict__ zba, long long zba_row,
-                                           const float* __restrict__ dt_bias, const float* __restrict__ neg_a,
-                                           int nv, int dv, float* __restrict__ beta, float* __restrict__ log_decay) {
-  const __half* __restrict__ row = zba + pos * zba_row + static_cast<long long>(nv) * dv;  // [b | a]
-  beta[pos * nv + h] = sigmoid(__half2float(row[h]));
-  const float a = __fadd_rn(__half2float(row[nv + h]), dt_bias[h]);
-  log_decay[pos * nv + h] = __fmul_rn(neg_a[h], softplus(a));
+__device__ __forceinline__ void gate_terms(long long pos, int h, const Terms& a) {
+  const __half* __restrict__ row = a.zba + pos * a.zba_row + static_cast<long long>(a.nv) * a.dv;  // [b | a]
+  a.beta[pos * a.nv + h] = sigmoid(__half2float(row[h]));
+  const float x = __fadd_rn(__half2float(row[a.nv + h]), a.dt_bias[h]);
+  a.log_decay[pos * a.nv + h] = __fmul_rn(a.neg_a[h], softplus(x));
 }
 
 template <int WARPS>
-__device__ __forceinline__ void inputs(const float* __restrict__ cat, int width, int c, int t_len,
-                                       const __half* __restrict__ zba, long long zba_row,
-                                       const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
-                                       const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
-                                       float l2_eps, float q_factor, float k_factor,
-                                       float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
-                                       float* __restrict__ beta, float* __restrict__ log_decay) {
+__device__ __forceinline__ void inputs(const float* __restrict__ cat, int width, int c, int t_len, const Terms& a) {
   const int pos = blockIdx.x;  // b * T + t
   const int b = pos / t_len, t = pos - b * t_len;
   const int lane = threadIdx.x & 31;
@@ -97,8 +107,8 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
   const int span = width - 1 + t_len;
   // position t's taps are cat rows t .. t + W - 1 (the W - 1 rows before T are the conv state)
   const float* __restrict__ x0 = cat + (static_cast<long long>(b) * span + t) * c;
-  if (unit < 2 * nk + nv) {
-    const Unit u = unit_at(unit, pos, nk, dk, nv, dv, q_factor, k_factor, q, k, v);
+  if (unit < 2 * a.nk + a.nv) {
+    const Unit u = unit_at(unit, pos, a);
     float val[PER_LANE];
     float ss = 0.f;
 #pragma unroll
@@ -106,17 +116,17 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
       const int ch = lane + 32 * i;
       val[i] = 0.f;
       if (ch < u.d) {
-        const float* __restrict__ wc = conv_w + static_cast<long long>(u.ch0 + ch) * width;
+        const float* __restrict__ wc = a.conv_w + static_cast<long long>(u.ch0 + ch) * width;
         float acc = __fmul_rn(x0[u.ch0 + ch], wc[0]);
         for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + u.ch0 + ch], wc[j]));
         val[i] = silu(acc);
         ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
       }
     }
-    store_unit(val, ss, u, l2_eps, lane);
+    store_unit(val, ss, u, a.l2_eps, lane);
   }
   if (blockIdx.y == 0) {
-    for (int h = threadIdx.x; h < nv; h += WARPS * 32) gate_terms(pos, h, zba, zba_row, dt_bias, neg_a, nv, dv, beta, log_decay);
+    for (int h = threadIdx.x; h < a.nv; h += WARPS * 32) gate_terms(pos, h, a);
   }
 }
 
@@ -133,12 +143,7 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
 template <int WARPS, int TT, int W, int PL>
 __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, const __half* __restrict__ mixed,
                                                  long long mixed_row, int c, int t_len, const long long* __restrict__ n,
-                                                 const __half* __restrict__ zba, long long zba_row,
-                                                 const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
-                                                 const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
-                                                 float l2_eps, float q_factor, float k_factor,
-                                                 float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
-                                                 float* __restrict__ beta, float* __restrict__ log_decay) {
+                                                 const Terms& a) {
   static_assert(TT >= W - 1, "only a request's first tile may read the conv state");
   constexpr int H = W > 1 ? W - 1 : 1;  // taps held from earlier positions
   const int tiles = (t_len + TT - 1) / TT;
@@ -147,8 +152,8 @@ __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, con
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.y * WARPS + (threadIdx.x >> 5);
   const long long row0 = static_cast<long long>(b) * t_len;  // position index of (b, 0)
-  if (unit < 2 * nk + nv) {
-    const Unit u0 = unit_at(unit, 0, nk, dk, nv, dv, q_factor, k_factor, q, k, v);
+  if (unit < 2 * a.nk + a.nv) {
+    const Unit u0 = unit_at(unit, 0, a);
     float* state = conv + (static_cast<long long>(b) * c + u0.ch0) * (W - 1);  // [ch][W - 1] of this unit
     const __half* __restrict__ in = mixed + row0 * mixed_row + u0.ch0;  // position 0's row, this unit
     // cat row r of request b (r < W - 1: the conv state, else position r - (W - 1))
@@ -182,7 +187,7 @@ __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, con
     for (int i = 0; i < PL; ++i) {
       const int ch = lane + 32 * i;
 #pragma unroll
-      for (int j = 0; j < W; ++j) wt[i][j] = ch < u0.d ? conv_w[static_cast<long long>(u0.ch0 + ch) * W + j] : 0.f;
+      for (int j = 0; j < W; ++j) wt[i][j] = ch < u0.d ? a.conv_w[static_cast<long long>(u0.ch0 + ch) * W + j] : 0.f;
 #pragma unroll
       for (int j = 0; j < W - 1; ++j) hold[i][j] = ch < u0.d ? tap(t0 + j, ch) : 0.f;
     }
@@ -211,7 +216,7 @@ __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, con
           ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
         }
       }
-      store_unit(val, ss, unit_at(unit, row0 + t, nk, dk, nv, dv, q_factor, k_factor, q, k, v), l2_eps, lane);
+      store_unit(val, ss, unit_at(unit, row0 + t, a), a.l2_eps, lane);
     }
     if (t0 == 0 && W > 1) {  // the new conv state: cat rows n[b] .. n[b] + W - 2, ascending (reads first)
       const int nb = n != nullptr ? static_cast<int>(n[b]) : t_len;
@@ -225,9 +230,9 @@ __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, con
     }
   }
   if (blockIdx.y == 0) {
-    for (int e = threadIdx.x; e < (t1 - t0) * nv; e += WARPS * 32) {
-      const int t = t0 + e / nv;
-      gate_terms(row0 + t, e - (t - t0) * nv, zba, zba_row, dt_bias, neg_a, nv, dv, beta, log_decay);
+    for (int e = threadIdx.x; e < (t1 - t0) * a.nv; e += WARPS * 32) {
+      const int t = t0 + e / a.nv;
+      gate_terms(row0 + t, e - (t - t0) * a.nv, a);
     }
   }
 }
@@ -238,17 +243,10 @@ constexpr int PREFILL_NARROW_D = 128;  // head dims the narrow entry takes (PL =
 template <int WARPS, int TT, int PL>
 __device__ __forceinline__ void prefill_inputs(float* conv, const __half* __restrict__ mixed, long long mixed_row,
                                                int width, int c, int t_len, const long long* __restrict__ n,
-                                               const __half* __restrict__ zba, long long zba_row,
-                                               const float* __restrict__ conv_w, const float* __restrict__ dt_bias,
-                                               const float* __restrict__ neg_a, int nk, int dk, int nv, int dv,
-                                               float l2_eps, float q_factor, float k_factor,
-                                               float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
-                                               float* __restrict__ beta, float* __restrict__ log_decay) {
+                                               const Terms& a) {
   __shared__ __align__(16) __half stage[WARPS * TT * PL * 32];  // [warp][TT rows][PL * 32 channels]
-#define DFG_GDN_PREFILL_INPUTS(W)                                                                      \
-  prefill_inputs_w<WARPS, TT, W, PL>(stage, conv, mixed, mixed_row, c, t_len, n, zba, zba_row, conv_w, \
-                                     dt_bias, neg_a, nk, dk, nv, dv, l2_eps, q_factor, k_factor, q, k, v, \
-                                     beta, log_decay)
+#define DFG_GDN_PREFILL_INPUTS(W) \
+  prefill_inputs_w<WARPS, TT, W, PL>(stage, conv, mixed, mixed_row, c, t_len, n, a)
   switch (width) {  // uniform: one instantiation runs
     case 1: DFG_GDN_PREFILL_INPUTS(1); break;
     case 2: DFG_GDN_PREFILL_INPUTS(2); break;
