@@ -98,6 +98,23 @@ __device__ __forceinline__ void gate_terms(long long pos, int h, const Terms& a)
   a.log_decay[pos * a.nv + h] = __fmul_rn(a.neg_a[h], softplus(x));
 }
 
+// val[i] = SiLU(conv(i, ch)) for the lane's channels ch = lane + 32 i < d (0 beyond), and their sum of
+// squares in that order (the L2 norm's per-lane part): both inputs kernels' per-position body.
+template <int PL, typename Conv>
+__device__ __forceinline__ float silu_conv(float (&val)[PL], int d, int lane, Conv conv) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int ch = lane + 32 * i;
+    val[i] = 0.f;
+    if (ch < d) {
+      val[i] = silu(conv(i, ch));
+      ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
+    }
+  }
+  return ss;
+}
+
 template <int WARPS>
 __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width, int c, int t_len, const Terms& a) {
   const int pos = blockIdx.x;  // b * T + t
@@ -110,19 +127,12 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
   if (unit < 2 * a.nk + a.nv) {
     const Unit u = unit_at(unit, pos, a);
     float val[PER_LANE];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      const int ch = lane + 32 * i;
-      val[i] = 0.f;
-      if (ch < u.d) {
-        const float* __restrict__ wc = a.conv_w + static_cast<long long>(u.ch0 + ch) * width;
-        float acc = __fmul_rn(x0[u.ch0 + ch], wc[0]);
-        for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + u.ch0 + ch], wc[j]));
-        val[i] = silu(acc);
-        ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
-      }
-    }
+    const float ss = silu_conv(val, u.d, lane, [&](int, int ch) {
+      const float* __restrict__ wc = a.conv_w + static_cast<long long>(u.ch0 + ch) * width;
+      float acc = __fmul_rn(x0[u.ch0 + ch], wc[0]);
+      for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(x0[static_cast<long long>(j) * c + u.ch0 + ch], wc[j]));
+      return acc;
+    });
     store_unit(val, ss, u, a.l2_eps, lane);
   }
   if (blockIdx.y == 0) {
@@ -199,23 +209,16 @@ __device__ __forceinline__ void prefill_inputs_w(__half* stage, float* conv, con
         const int ch = lane + 32 * i;
         x[i] = ch < u0.d ? __half2float(rows[t - t0][ch]) : 0.f;
       }
-      float ss = 0.f;
+      const float ss = silu_conv(val, u0.d, lane, [&](int i, int) {
+        float acc = __fmul_rn(W > 1 ? hold[i][0] : x[i], wt[i][0]);
 #pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int ch = lane + 32 * i;
-        val[i] = 0.f;
-        if (ch < u0.d) {
-          float acc = __fmul_rn(W > 1 ? hold[i][0] : x[i], wt[i][0]);
+        for (int j = 1; j < W - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(hold[i][j], wt[i][j]));
+        if (W > 1) acc = __fadd_rn(acc, __fmul_rn(x[i], wt[i][W - 1]));
 #pragma unroll
-          for (int j = 1; j < W - 1; ++j) acc = __fadd_rn(acc, __fmul_rn(hold[i][j], wt[i][j]));
-          if (W > 1) acc = __fadd_rn(acc, __fmul_rn(x[i], wt[i][W - 1]));
-#pragma unroll
-          for (int j = 0; j + 1 < W - 1; ++j) hold[i][j] = hold[i][j + 1];
-          if (W > 1) hold[i][W - 2] = x[i];
-          val[i] = silu(acc);
-          ss = __fadd_rn(ss, __fmul_rn(val[i], val[i]));
-        }
-      }
+        for (int j = 0; j + 1 < W - 1; ++j) hold[i][j] = hold[i][j + 1];
+        if (W > 1) hold[i][W - 2] = x[i];
+        return acc;
+      });
       store_unit(val, ss, unit_at(unit, row0 + t, a), a.l2_eps, lane);
     }
     if (t0 == 0 && W > 1) {  // the new conv state: cat rows n[b] .. n[b] + W - 2, ascending (reads first)
