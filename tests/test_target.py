@@ -364,6 +364,23 @@ def test_glue_kernel_wiring_on_cpu_is_the_unfused_path(ckpt: Path, monkeypatch: 
     assert all(torch.equal(a, b) for a, b in zip(out[False][2], out[True][2], strict=True))
 
 
+def test_grouped_heads_go_native_only_where_cudnn_attention_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused prefill attention passes grouped K / V heads as they are only on sm_90+ with cuDNN
+    attention enabled; a V100 (sm_70), an A100 and a CPU repeat them (enable_gqa would fall back to
+    the unfused math path there)."""
+    from dflashgen.runtime import target as target_mod
+
+    for cap, cudnn, want in (((9, 0), True, True), ((9, 0), False, False), ((8, 0), True, False),
+                             ((7, 0), True, False)):
+        target_mod._native_gqa.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=cap: c)
+        monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda c=cudnn: c)
+        assert target_mod._native_gqa(torch.device("cuda", 0)) is want, (cap, cudnn)
+    target_mod._native_gqa.cache_clear()
+    assert target_mod._native_gqa(torch.device("cpu")) is False
+    target_mod._native_gqa.cache_clear()
+
+
 def test_fused_prefill_attention_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill attention runs fused only on CUDA (any query dtype), and the environment switch
     restores the FP32 reference; on CPU the reference always runs (the CPU suite's prefills)."""
