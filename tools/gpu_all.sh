@@ -59,6 +59,12 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 R=$(mktemp -d); mkdir -p /tmp/dfg
 source "$(dirname "$0")/gpu_env.sh"
+# A/B diffs must apply (and reverse) cleanly: a silently failed `git apply` times the same code twice
+# (session 33 lost a call to a stale manifest hunk)
+apply_or_die() {  # apply_or_die [-R] FILE
+  git apply --check "$@" 2>/dev/null || { echo "ERROR: git apply $* does not apply to this tree" >&2; exit 3; }
+  git apply "$@"
+}
 pack() { tar czf "$OUT/results-$PART.tgz" -C "$R" . ; }
 gpu_tests() {  # TESTS="tests/..." (tests: all of them) under a $1-second limit, then pack what is done
   [ -n "${TESTS:-}" ] || return 0
@@ -127,11 +133,11 @@ C)
   fi
   if [ -n "${GDN_AB:-}" ]; then  # base (the diff reversed) / new, twice; the family rebuilt each way
     for run in base1 new1 base2 new2; do
-      [ "${run#base}" != "$run" ] && git apply -R "$GDN_AB"
+      [ "${run#base}" != "$run" ] && apply_or_die -R "$GDN_AB"
       dflashgen build --arch 90 -j 16 -q --only gdn 2>&1 | tail -1
       echo "== gdn-bench $run"
       timeout 120 python3 tools/gdn_bench.py --prefill 1023 --json "$R/gdn-$run.json" 2>&1 | tail -5
-      [ "${run#base}" != "$run" ] && git apply "$GDN_AB"
+      [ "${run#base}" != "$run" ] && apply_or_die "$GDN_AB"
     done
     pack
   fi
@@ -217,15 +223,15 @@ W)
   rm -f "$R"/swap-* "$R/wgmma_roles_probe" ;;
 R)
   dfg_install
-  if [ -n "${SWITCH:-}" ]; then git apply "$SWITCH" && dflashgen generate | tail -1; fi
+  if [ -n "${SWITCH:-}" ]; then apply_or_die "$SWITCH" && dflashgen generate | tail -1; fi
   # builds only the raced problems' kernels (with --only: the named ones and the table's)
   if [ -n "${GEMM_AB:-}" ]; then  # base (the diff reversed) / new, twice: the same kernels, each header
     for run in base1 new1 base2 new2; do
-      [ "${run#base}" != "$run" ] && git apply -R "$GEMM_AB"
+      [ "${run#base}" != "$run" ] && apply_or_die -R "$GEMM_AB"
       echo "== race $run"
       timeout 300 python3 tools/wgmma_race.py ${RACE:-} --json "$R/race-$run.json" > "$R/race-$run.txt" 2>&1
       echo "race rc $?"; tail -12 "$R/race-$run.txt"
-      [ "${run#base}" != "$run" ] && git apply "$GEMM_AB"
+      [ "${run#base}" != "$run" ] && apply_or_die "$GEMM_AB"
       pack
     done
     python3 - "$R" <<'PY' | tee "$R/race-ab.txt"  # per kernel and M: the mean of each side's two runs
