@@ -94,7 +94,6 @@ def reference_prefill_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: T
                              dims: GdnDims, n: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`gdn_prefill_inputs` in torch ops: the conv inputs' cat made explicitly, then
     :func:`reference_inputs`; ``conv`` updated in place to the window after n[b] (default T) positions."""
-    nk, dk, nv, dv = dims
     c, width = conv_w.shape
     cat_tm = torch.cat((conv.transpose(1, 2), mixed[..., :c].float()), dim=1)  # [B, W - 1 + T, C]
     out = reference_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims)
