@@ -106,11 +106,13 @@ class Uniforms:
             raise ValueError(f"{len(steps)} steps for {len(params)} requests")
         u = cls.draw(len(params), num_drafts, generator, "cpu")
         accept, sample = u.accept, u.sample  # fresh tensors: overwritten in place below
-        for i, sp in enumerate(params):
-            if sp.seed is not None:
-                g = torch.Generator().manual_seed(_splitmix64(sp.seed ^ _splitmix64(steps[i] & _MASK64)))
-                accept[i] = torch.rand(num_drafts, generator=g)
-                sample[i] = torch.rand(num_drafts + 1, generator=g)
+        seeded = [i for i, sp in enumerate(params) if sp.seed is not None]
+        if seeded:  # (per round in the decode loop: one generator re-seeded, one draw and one write per row)
+            g = torch.Generator()
+            rows = torch.stack([torch.rand(2 * num_drafts + 1, generator=g.manual_seed(
+                _splitmix64(params[i].seed ^ _splitmix64(steps[i] & _MASK64)))) for i in seeded])  # type: ignore[operator]
+            idx = torch.tensor(seeded)
+            accept[idx], sample[idx] = rows[:, :num_drafts], rows[:, num_drafts:]  # accept's D, then sample's D + 1
         dev = torch.device("cpu") if device is None else device
         return cls(to_device(accept, dev), to_device(sample, dev))
 
