@@ -354,3 +354,38 @@ def test_wgc_clock_probe_patches_the_headers_and_reads_its_stamps(tmp_path: Path
     assert (wg1["period"], wg1["issue"], wg1["wait_retire"], wg1["decode"], wg1["wait_xfull"], wg1["skew_vs_wg0"]) \
         == (1000, 90, 50, 400, 80, 7)
     assert r["cta_last"]["act2"] == {"wait_xempty": 2000, "store": 600, "period": 4000}
+
+
+def test_trace_gaps_attributes_gpu_idle_to_the_launch_that_ended_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    """tools/trace_gaps.py: GPU busy is the union of overlapping kernels / copies; each idle gap is
+    charged to the runtime call (by correlation id) whose GPU work ended it; --per divides."""
+    import gzip
+    import json
+
+    def gpu(name: str, ts: float, dur: float, corr: int, cat: str = "kernel") -> dict:
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def call(name: str, corr: int) -> dict:
+        return {"cat": "cuda_runtime", "name": name, "ts": 0.0, "dur": 1.0, "args": {"correlation": corr}}
+
+    events = [gpu("k1<float>", 0, 10, 1), gpu("k2", 5, 10, 2),  # overlap: busy 0..15
+              gpu("Memcpy HtoD", 40, 5, 3, "gpu_memcpy"),  # gap 15..40 (25 us), ended by the copy
+              gpu("k1<float>", 47, 3, 4),  # gap 45..47 (2 us: under --min-us 3)
+              gpu("k3", 60, 10, 5),  # gap 50..60 (10 us)
+              call("cudaLaunchKernel", 1), call("cudaLaunchKernel", 2), call("cudaMemcpyAsync", 3),
+              call("cudaLaunchKernel", 4), call("cudaGraphLaunch", 5), {"cat": "cpu_op", "name": "aten::mm", "ts": 1}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    tg = _tool("trace_gaps")
+    span, busy, gaps = tg.gpu_gaps(tg.load_events(path))
+    assert (span, busy, gaps) == (70, 33, [(15, 40), (45, 47), (50, 60)])
+    causes = tg.gap_causes(tg.load_events(path), gaps, 3.0)
+    assert causes == {"cudaMemcpyAsync -> Memcpy HtoD": 25, "cudaGraphLaunch -> k3": 10}
+    monkeypatch.setattr(sys, "argv", ["trace_gaps.py", str(path), "--per", "2", "--compare", str(path)])
+    tg.main()
+    out = capsys.readouterr().out
+    assert out.startswith("GPU span 0.035 ms, busy 0.01") and "(1 gaps >= 3 us) per 2" in out  # 70 / 33 us over 2
+    assert "12.5 us  cudaMemcpyAsync -> Memcpy HtoD" in out
+    k1 = next(line for line in out.splitlines() if line.startswith("k1 "))
+    assert k1.split() == ["k1", "2", "6.5", "6.5", "|", "2", "6.5", "6.5"]  # 2 calls, 13 us / 2, mean 6.5

@@ -4,14 +4,21 @@ synthetic target, one 1023-token prompt (eager prefill is host-bound when CPU ti
 torch chunk (matrix) form, instead of the sequential prefill kernel (``DFLASHGEN_GDN_PREFILL``), for
 before / after.
     python3 tools/profile_prefill.py [--layers 4] [--tokens 1023] [--gdn sequential|chunked|torch]
-                                      [--rows 18] [--shapes]"""
+                                      [--rows 18] [--shapes] [--trace FILE.json.gz]
+
+--trace writes the profiled forward's Chrome trace and prints where the GPU waited in it
+(tools/trace_gaps.py): with all 64 layers, what an eager prefill loses to the host beyond its CUDA time."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from dflashgen.runtime.decode_bench import load_target, write_synthetic
@@ -27,6 +34,7 @@ def main() -> None:
     ap.add_argument("--gdn", choices=("sequential", "chunked", "torch"), default="sequential",
                     help="GDN prefill: the sequential prefill kernel (default), the chunk-form kernels or the "
                          "torch chunk form")
+    ap.add_argument("--trace", default=None, help="write the Chrome trace here (gzip) and summarise its GPU gaps")
     a = ap.parse_args()
     os.environ["DFLASHGEN_GDN_PREFILL"] = a.gdn
     d = tempfile.mkdtemp()
@@ -50,6 +58,21 @@ def main() -> None:
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=a.rows,
                                                                   max_name_column_width=40, max_shapes_column_width=90))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    if a.trace:
+        raw = Path(a.trace).with_suffix("") if a.trace.endswith(".gz") else Path(a.trace)
+        prof.export_chrome_trace(str(raw))
+        if a.trace.endswith(".gz"):
+            with open(raw, "rb") as f, gzip.open(a.trace, "wb") as g:
+                shutil.copyfileobj(f, g)
+            raw.unlink()
+        sys.path.insert(0, str(Path(__file__).parent))
+        from trace_gaps import gap_causes, gpu_gaps, load_events
+
+        ev = load_events(a.trace)
+        span, busy, gaps = gpu_gaps(ev)
+        print(f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms")
+        for k, v in gap_causes(ev, gaps, 3.0).most_common(15):
+            print(f"{v:10.1f} us  {k}")
 
 
 if __name__ == "__main__":
