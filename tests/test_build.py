@@ -374,10 +374,14 @@ def test_trace_gaps_attributes_gpu_idle_to_the_launch_that_ended_it(tmp_path: Pa
               gpu("k3", 60, 10, 5),  # gap 50..60 (10 us)
               call("cudaLaunchKernel", 1), call("cudaLaunchKernel", 2), call("cudaMemcpyAsync", 3),
               call("cudaLaunchKernel", 4), call("cudaGraphLaunch", 5), {"cat": "cpu_op", "name": "aten::mm", "ts": 1}]
-    path = tmp_path / "t.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    class Prof:  # what write_trace needs of a torch.profiler.profile
+        def export_chrome_trace(self, p: str) -> None:
+            Path(p).write_text(json.dumps({"traceEvents": events}))
+
     tg = _tool("trace_gaps")
+    path = tmp_path / "t.json.gz"
+    tg.write_trace(Prof(), path)
+    assert gzip.decompress(path.read_bytes()) and not (tmp_path / "t.json").exists()  # gzip; the raw export gone
     span, busy, gaps = tg.gpu_gaps(tg.load_events(path))
     assert (span, busy, gaps) == (70, 33, [(15, 40), (45, 47), (50, 60)])
     causes = tg.gap_causes(tg.load_events(path), gaps, 3.0)

@@ -257,7 +257,6 @@ def test_seeded_requests_get_batch_independent_uniforms() -> None:
         Uniforms.for_requests(MIXED, 4, step=[1], generator=g)
 
 
-
 def test_seeded_uniforms_are_the_requests_own_generator_stream() -> None:
     """A seeded row is accept's D then sample's D + 1 uniforms of a CPU generator seeded from (seed,
     step), as two draws from it give (the decode loop draws each seeded row once, re-seeding one
@@ -271,6 +270,7 @@ def test_seeded_uniforms_are_the_requests_own_generator_stream() -> None:
         g = torch.Generator().manual_seed(_splitmix64(sp.seed ^ _splitmix64((5 + b) & _MASK64)))
         assert torch.equal(u.accept[b], torch.rand(7, generator=g))
         assert torch.equal(u.sample[b], torch.rand(8, generator=g))
+
 
 # --- errors ------------------------------------------------------------------------------------------
 

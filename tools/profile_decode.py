@@ -15,8 +15,7 @@ the profiled rounds (overlapped prefill, decode-bench's default): what it costs 
 from __future__ import annotations
 
 import argparse
-import gzip
-import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,9 @@ from dflashgen.runtime.decode_bench import (
 )
 from dflashgen.runtime.spec_decode import SpecDecoder
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trace_gaps import write_trace  # noqa: E402
 
 
 def main() -> None:
@@ -110,11 +112,7 @@ def main() -> None:
         print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
         if a.trace:
             Path(a.trace).mkdir(parents=True, exist_ok=True)
-            raw = Path(a.trace) / f"decode-B{b}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            raw.unlink()
+            write_trace(prof, Path(a.trace) / f"decode-B{b}.json.gz")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ before / after.
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -23,6 +21,9 @@ from pathlib import Path
 import torch
 from dflashgen.runtime.decode_bench import load_target, write_synthetic
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trace_gaps import load_events, print_gaps, write_trace  # noqa: E402
 
 
 def main() -> None:
@@ -59,20 +60,8 @@ def main() -> None:
                                                                   max_name_column_width=40, max_shapes_column_width=90))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     if a.trace:
-        raw = Path(a.trace).with_suffix("") if a.trace.endswith(".gz") else Path(a.trace)
-        prof.export_chrome_trace(str(raw))
-        if a.trace.endswith(".gz"):
-            with open(raw, "rb") as f, gzip.open(a.trace, "wb") as g:
-                shutil.copyfileobj(f, g)
-            raw.unlink()
-        sys.path.insert(0, str(Path(__file__).parent))
-        from trace_gaps import gap_causes, gpu_gaps, load_events
-
-        ev = load_events(a.trace)
-        span, busy, gaps = gpu_gaps(ev)
-        print(f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms")
-        for k, v in gap_causes(ev, gaps, 3.0).most_common(15):
-            print(f"{v:10.1f} us  {k}")
+        write_trace(prof, a.trace)
+        print_gaps(load_events(a.trace), rows=15)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import collections
 import gzip
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,30 @@ def per_kernel(events: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
+def write_trace(prof: Any, path: str | Path) -> None:
+    """A torch.profiler's Chrome trace to ``path`` (gzip when it ends in .gz)."""
+    p = Path(path)
+    if p.suffix != ".gz":
+        prof.export_chrome_trace(str(p))
+        return
+    raw = p.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(p, "wb") as g:
+        shutil.copyfileobj(f, g)
+    raw.unlink()
+
+
+def print_gaps(events: list[dict[str, Any]], per: float = 1.0, rows: int = 20, min_us: float = 3.0) -> None:
+    """GPU span / busy / idle (divided by ``per``) and the ``rows`` largest gap causes."""
+    span, busy, gaps = gpu_gaps(events)
+    n = per
+    n_gaps = sum(1 for g in gaps if g[1] - g[0] >= min_us) / n
+    print(f"GPU span {span / 1e3 / n:.3f} ms, busy {busy / 1e3 / n:.3f} ms, idle {(span - busy) / 1e3 / n:.3f} ms "
+          f"({n_gaps:.0f} gaps >= {min_us:g} us)" + (f" per {n:g}" if n != 1 else ""))
+    for k, v in gap_causes(events, gaps, min_us).most_common(rows):
+        print(f"{v / n:10.1f} us  {k}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
@@ -84,13 +109,8 @@ def main() -> None:
     ap.add_argument("--compare", default=None, help="a second trace: per-kernel time in both")
     a = ap.parse_args()
     ev = load_events(a.trace)
-    span, busy, gaps = gpu_gaps(ev)
+    print_gaps(ev, a.per, a.rows, a.min_us)
     n = a.per
-    n_gaps = sum(1 for g in gaps if g[1] - g[0] >= a.min_us) / n
-    print(f"GPU span {span / 1e3 / n:.3f} ms, busy {busy / 1e3 / n:.3f} ms, idle {(span - busy) / 1e3 / n:.3f} ms "
-          f"({n_gaps:.0f} gaps >= {a.min_us:g} us)" + (f" per {n:g}" if n != 1 else ""))
-    for k, v in gap_causes(ev, gaps, a.min_us).most_common(a.rows):
-        print(f"{v / n:10.1f} us  {k}")
     if a.compare:
         ka, kb = per_kernel(ev), per_kernel(load_events(a.compare))
         print(f"\n{'GPU work':70s} {'n':>6} {'us/N':>9} {'mean':>7} | {'n':>6} {'us/N':>9} {'mean':>7}  (this | other)")
