@@ -28,11 +28,13 @@ in place, outputs o only -- a prefill that is not armed for rollback, bitwise T 
 
 Plus one chunk-form prefill pair per (arch, key head dim), ``templates/gdn_chunk.cu.j2``
 (``dfg_sm90_gdnck_dk128_c32_n16_w4``, manifest ``mode: "chunk"``; logic in
-``templates/include/dflashgen/gdn_chunk.cuh``): ``<name>_prep`` (per chunk of 32 positions and value
-head: the cumulative log decays, (I + N)^-1 and the decayed q.k products, into a workspace) and
-``<name>`` (the chunks in order, 16 state columns per CTA: register-tiled FP32 products instead of one
-dependency chain per position). The same recurrence in another summation order: not bitwise the
-sequential kernels, but a request's bits depend only on its own inputs.
+``templates/include/dflashgen/gdn_chunk.cuh``): ``<name>_prep`` (per chunk of 32 positions and key
+head: the k.k / q.k products once, then per value head the cumulative log decays and their
+exponentials, (I + N)^-1 and the decayed q.k products, into a workspace) and ``<name>`` (the chunks in
+order: on sm_80+ the products as 3xTF32 tensor-core MMAs with the state in registers,
+``gdn_chunk_mma.cuh``; on compute_70 register-tiled FP32 products, 16 state columns per CTA --
+either way instead of one dependency chain per position). The same recurrence in another summation
+order: not bitwise the sequential kernels, but a request's bits depend only on its own inputs.
 """
 
 from __future__ import annotations
@@ -84,23 +86,66 @@ def prefill_warps(dk: int) -> int:
     float4 loads (gdn.cuh prefill), else half (the small test key dims)."""
     return PREFILL_WARPS if PREFILL_CHUNK * dk // 4 % (32 * PREFILL_WARPS) == 0 else PREFILL_WARPS // 2
 # The chunk-form prefill: 32-position chunks (a 1K prompt is 32 sequential chunk steps; prep's
-# substitution is one warp wide), 16 state columns per 128-thread CTA (a B1 prefill's 48 heads x 128
-# columns: 384 CTAs, 3 per SM at ~75 KB of shared memory each, k double-buffered).
+# substitution is one warp wide). compute_70: 16 state columns per 128-thread CTA on CUDA cores (a B1
+# prefill's 48 heads x 128 columns: 384 CTAs, 3 per SM at ~75 KB of shared memory each, k
+# double-buffered). sm_80+: the tensor-core scan (gdn_chunk_mma.cuh): 16 columns per warp group, the key
+# dim split over chunk_split(dk) warps (B1: 48 x 8 x 4 = 1536 warps, ~12 per SM), a CTA per key head's
+# value heads (their shared k / q staged once; how many the runtime picks from the shared memory the
+# GPU allows: smem_base + smem_per_head bytes each).
 CHUNK = 32
 CHUNK_COLS = 16
-CHUNK_THREADS = CHUNK * CHUNK_COLS // 4
+CHUNK_THREADS = CHUNK * CHUNK_COLS // 4  # the CUDA-core scan's, and prep's everywhere
 CHUNK_MIN_BLOCKS = 3
+CHUNK_MMA_SPLIT = 4  # warps per 16 columns (the key dim split), at most dk / 8
+# value heads per CTA at most (the scan's __launch_bounds__: 3 x 4 warps of up to 168 registers; the
+# Qwen3.8 GQA groups are 3 value heads per key head)
+CHUNK_MMA_MAX_HEADS = 3
+
+
+def chunk_mma(arch: int) -> bool:
+    """Whether the arch's chunk scan runs on tensor cores (TF32 mma.sync: sm_80+)."""
+    return arch >= 80
+
+
+def chunk_split(dk: int) -> int:
+    return min(CHUNK_MMA_SPLIT, dk // 8)
 
 
 def chunk_smem_bytes(dk: int) -> int:
-    """The scan's dynamic shared memory (gdn_chunk.cuh ScanSmem): two k buffers and one q of rows
-    padded to dk + 4, the state's columns, Tm / P rows padded to CHUNK + 4, v / r, u and weighted u,
-    g and beta."""
+    """The CUDA-core scan's dynamic shared memory (gdn_chunk.cuh ScanSmem): two k buffers and one q of
+    rows padded to dk + 4, the state's columns, Tm / P rows padded to CHUNK + 4, v / r, u and weighted
+    u, g and beta."""
     return 4 * (3 * CHUNK * (dk + 4) + dk * CHUNK_COLS + 2 * CHUNK * (CHUNK + 4) + 3 * CHUNK * CHUNK_COLS + 2 * CHUNK)
 
 
+def chunk_mma_smem(dk: int) -> tuple[int, int]:
+    """The tensor-core scan's dynamic shared memory (gdn_chunk_mma.cuh Layout) as (bytes per CTA, bytes
+    per value head): k and q rows, two buffers each; per head Tm / P rows padded to CHUNK + 8 and v
+    rows of 16 + 4 (two buffers each), prep's g / exp(g) / end weights and beta, and the A-step exchange
+    (split x 2 CHUNK / 8 float4 per lane)."""
+    exchange = chunk_split(dk) * 2 * (CHUNK // 8) * 32 * 4
+    per_head = 2 * 2 * CHUNK * (CHUNK + 8) + 2 * CHUNK * 20 + 2 * 4 * CHUNK + exchange
+    return 4 * 4 * CHUNK * dk, 4 * per_head
+
+
 def chunk_kernel_name(arch: int, dk: int) -> str:
+    if chunk_mma(arch):
+        return f"dfg_sm{arch}_gdnck_dk{dk}_c{CHUNK}_tf32x3_r{chunk_split(dk)}"
     return f"dfg_sm{arch}_gdnck_dk{dk}_c{CHUNK}_n{CHUNK_COLS}_w{CHUNK_THREADS // 32}"
+
+
+def chunk_meta(arch: int, dk: int) -> dict[str, object]:
+    """The manifest entry of a chunk kernel: the scan's geometry (``threads``: per value head on
+    tensor cores, where a CTA holds several) and shared memory."""
+    meta: dict[str, object] = {"dk": dk, "chunk": CHUNK, "cols": CHUNK_COLS, "prep_threads": CHUNK_THREADS,
+                               "mode": "chunk"}
+    if chunk_mma(arch):
+        base, per_head = chunk_mma_smem(dk)
+        meta |= {"scan": "tf32x3", "split": chunk_split(dk), "threads": 32 * chunk_split(dk),
+                 "max_heads": CHUNK_MMA_MAX_HEADS, "smem_base": base, "smem_per_head": per_head}
+    else:
+        meta |= {"scan": "fp32", "threads": CHUNK_THREADS, "smem": chunk_smem_bytes(dk)}
+    return meta
 
 
 IO_WARPS = 4  # glue kernels: one warp per (position, head), 4 per CTA (TP1 B1 T8: 8 x 20 CTAs)
@@ -169,9 +214,10 @@ def render_prefill(arch: int, dk: int) -> str:
 
 
 def render_chunk(arch: int, dk: int) -> str:
+    meta = chunk_meta(arch, dk)
     return _env().get_template("gdn_chunk.cu.j2").render(
-        version=__version__, name=chunk_kernel_name(arch, dk), arch=arch, dk=dk, chunk=CHUNK, cols=CHUNK_COLS,
-        threads=CHUNK_THREADS, min_blocks=CHUNK_MIN_BLOCKS, smem=chunk_smem_bytes(dk))
+        version=__version__, name=chunk_kernel_name(arch, dk), arch=arch, mma=chunk_mma(arch),
+        min_blocks=CHUNK_MIN_BLOCKS, **meta)
 
 
 def family_kernels() -> list[FamilyKernel]:
@@ -184,9 +230,7 @@ def family_kernels() -> list[FamilyKernel]:
                               "cols": prefill_warps(dk) * 2 * PREFILL_COLS_PER_THREAD,
                               "mode": "prefill"})
                 for arch in ARCHS for dk in key_dims()]
-    chunks = [FamilyKernel(chunk_kernel_name(arch, dk), arch, render_chunk(arch, dk),
-                           {"dk": dk, "chunk": CHUNK, "threads": CHUNK_THREADS, "cols": CHUNK_COLS,
-                            "smem": chunk_smem_bytes(dk), "mode": "chunk"})
+    chunks = [FamilyKernel(chunk_kernel_name(arch, dk), arch, render_chunk(arch, dk), chunk_meta(arch, dk))
               for arch in ARCHS for dk in key_dims()]
     io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
                        {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D,

@@ -41,8 +41,9 @@ import torch
 from .driver import ArgPack, current_stream
 from .images import entry_here, family_entries, load_module
 
-__all__ = ["GdnInputError", "chunk_available", "fma32", "gdn_advance", "gdn_prefill", "gdn_prefill_chunked", "gdn_step",
-           "per_value_head", "prefill_available", "reference_advance", "reference_step"]
+__all__ = ["GdnInputError", "chunk_available", "chunk_heads_per_cta", "fma32", "gdn_advance", "gdn_prefill",
+           "gdn_prefill_chunked", "gdn_step", "per_value_head", "prefill_available", "reference_advance",
+           "reference_step"]
 
 Tensor = torch.Tensor
 MAX_T = 16  # dflashgen.gdn_family.MAX_T
@@ -246,19 +247,48 @@ class _Prefill:
 
 
 class _Chunk:
-    """The chunk-form prefill pair (prep + scan) for one (key dim, arch, device)."""
+    """The chunk-form prefill pair (prep + scan) for one (key dim, arch, device). The tensor-core scan
+    (manifest ``scan: tf32x3``) runs H value heads of one key head per CTA: ``threads`` and
+    ``smem_per_head`` per head, H the largest divisor of the GQA group that fits ``max_heads`` and the
+    device's shared memory (:meth:`geometry`)."""
 
     def __init__(self, dk: int, arch: int, device_index: int) -> None:
         entry = _entry("chunk", dk, arch)
         mod = load_module(entry, device_index)
         self.name = entry["name"]
         self.chunk, self.cols, self.threads = int(entry["chunk"]), int(entry["cols"]), int(entry["threads"])
-        self.smem = int(entry["smem"])  # the scan's dynamic shared memory (gdn_family.chunk_smem_bytes)
+        self.prep_threads = int(entry["prep_threads"])
         self.prep, self.scan = mod.function(self.name + "_prep"), mod.function(self.name)
-        self.scan.allow_dynamic_smem(self.smem)
+        self.grouped = entry["scan"] == "tf32x3"
+        if self.grouped:
+            optin = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+            self.smem_base, self.smem_per_head = int(entry["smem_base"]), int(entry["smem_per_head"])
+            self.max_heads = int(entry["max_heads"])
+            if optin:  # the heads a CTA may hold on this GPU
+                self.max_heads = min(self.max_heads, (int(optin) - self.smem_base) // self.smem_per_head)
+            if self.max_heads < 1:
+                _fail(f"{self.name} needs {self.smem_base + self.smem_per_head} bytes of shared memory per CTA; "
+                      f"this GPU allows {optin}")
+            self.scan.allow_dynamic_smem(self.smem_base + self.max_heads * self.smem_per_head)
+        else:
+            self.smem = int(entry["smem"])  # the scan's dynamic shared memory (gdn_family.chunk_smem_bytes)
+            self.scan.allow_dynamic_smem(self.smem)
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         self.prep_args = ArgPack([p, p, p, p, i, i, i, p, p, p])
         self.scan_args = ArgPack([p, p, p, p, ll, ll, ll, p, p, p, p, i, i, i, i, p, p])
+
+    def geometry(self, hk: int, hv: int, dv: int, b: int) -> tuple[tuple[int, int, int], int, int]:
+        """The scan's (grid, threads, dynamic shared memory) for these dims."""
+        if not self.grouped:
+            return (-(-dv // self.cols), hv, b), self.threads, self.smem
+        heads = chunk_heads_per_cta(hv // hk, self.max_heads)
+        return (-(-dv // self.cols), hv // heads, b), self.threads * heads, self.smem_base + heads * self.smem_per_head
+
+
+def chunk_heads_per_cta(rep: int, max_heads: int) -> int:
+    """Value heads per CTA of the tensor-core chunk scan: the largest divisor of the GQA group (``rep``
+    value heads per key head) that is at most ``max_heads`` -- a CTA's heads share one key head."""
+    return max(d for d in range(1, min(rep, max_heads) + 1) if rep % d == 0)
 
 
 _KERNELS: dict[tuple[int, int, int], _Kernels] = {}
@@ -441,8 +471,9 @@ def gdn_prefill_chunked(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor
                         n: Tensor | None = None, o: Tensor | None = None, arch: int | None = None) -> Tensor:
     """:func:`gdn_prefill` in chunk (WY) form: the same arguments, contract and outputs, computed as
     FP32 products over chunks of 32 positions (``gdn_chunk.cuh``: a prep launch over every chunk, then
-    one scan over the chunks in order). Not bitwise the sequential kernels (another summation order:
-    3.3e-7 from an FP64 recurrence at T = 1023, they 9e-8); a request's bits still depend only on its own
+    one scan over the chunks in order; on sm_80+ the scan's products run on tensor cores in 3xTF32,
+    ``gdn_chunk_mma.cuh``). Not bitwise the sequential kernels (another summation order: ~4e-7 from an
+    FP64 recurrence at T = 1023, they 9e-8); a request's bits still depend only on its own
     inputs (not on T's padding, the batch or the other requests). CUDA only (the CPU path is the
     target's torch chunk form); q, k, o 16-byte aligned."""
     b, t, hk, hv, dk, dv = _step_dims(s, q, k, v, beta, log_decay, max_t=None)
@@ -456,15 +487,16 @@ def gdn_prefill_chunked(s: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor
     _aligned16("the chunk-form prefill", q=q, k=k, o=o)
     kn, idx = _chunk_kernel(dev, dk, arch)
     nch = -(-t // kn.chunk)
-    ws_g = torch.empty((b, hv, nch, kn.chunk), dtype=torch.float32, device=dev)
+    ws_g = torch.empty((b, hv, nch, 3, kn.chunk), dtype=torch.float32, device=dev)  # g, exp(g), end weights
     ws_t = torch.empty((b, hv, nch, kn.chunk, kn.chunk), dtype=torch.float32, device=dev)
     ws_p = torch.empty_like(ws_t)
     stream = current_stream(idx)
-    kn.prep_args.launch(kn.prep, (nch, hv, b), (kn.threads, 1, 1), stream,
+    kn.prep_args.launch(kn.prep, (nch, hk, b), (kn.prep_threads, 1, 1), stream,
                         (q.data_ptr(), k.data_ptr(), beta.data_ptr(), log_decay.data_ptr(), t, hk, hv,
                          ws_g.data_ptr(), ws_t.data_ptr(), ws_p.data_ptr()))
-    kn.scan_args.launch(kn.scan, (-(-dv // kn.cols), hv, b), (kn.threads, 1, 1), stream,
+    grid, threads, smem = kn.geometry(hk, hv, dv, b)
+    kn.scan_args.launch(kn.scan, grid, (threads, 1, 1), stream,
                         (s.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(3),
                          beta.data_ptr(), ws_g.data_ptr(), ws_t.data_ptr(), ws_p.data_ptr(), t, hk, hv, dv,
-                         o.data_ptr(), _ptr(n)), kn.smem)
+                         o.data_ptr(), _ptr(n)), smem)
     return o

@@ -56,13 +56,24 @@ def test_family_renders_every_arch_and_key_dim() -> None:
     assert {(k.arch, k.meta["dk"]) for k in ck} == {(a, d) for a in (70, 80, 90) for d in gdn_family.key_dims()}
     for k in ck:  # prep + scan; chunk, columns and warps in the name; the header's smem size checked at compile
         dk = k.meta["dk"]
-        assert k.name == f"dfg_sm{k.arch}_gdnck_dk{dk}_c32_n16_w4"
-        assert (k.meta["chunk"], k.meta["cols"], k.meta["threads"]) == (32, 16, 128)
-        assert k.meta["smem"] == 4 * (96 * (dk + 4) + 16 * dk + 64 * 36 + 96 * 16 + 64)
-        assert f"{k.name}_prep(" in k.source and f"{k.name}(" in k.source
-        assert f"scan<{dk}, 32, 16, 128>" in k.source and f"prep<{dk}, 32, 128>" in k.source
-        assert f"scan_smem_bytes<{dk}, 32, 16>() == {k.meta['smem']}" in k.source
-        assert "DO NOT EDIT" in k.source.splitlines()[0] and "#include <dflashgen/gdn_chunk.cuh>" in k.source
+        assert f"{k.name}_prep(" in k.source and f"{k.name}(" in k.source and f"prep<{dk}, 32, 128>" in k.source
+        assert "DO NOT EDIT" in k.source.splitlines()[0] and k.meta["prep_threads"] == 128
+        if k.arch >= 80:  # the tensor-core scan: the key dim split over r warps per 16 columns, up to 3 heads
+            r = min(4, dk // 8)
+            assert k.name == f"dfg_sm{k.arch}_gdnck_dk{dk}_c32_tf32x3_r{r}"
+            assert (k.meta["chunk"], k.meta["cols"], k.meta["threads"], k.meta["scan"]) == (32, 16, 32 * r, "tf32x3")
+            assert (k.meta["smem_base"], k.meta["max_heads"]) == (4 * 4 * 32 * dk, 3)
+            assert k.meta["smem_per_head"] == 4 * (4 * 32 * 40 + 2 * 32 * 20 + 8 * 32 + r * 8 * 32 * 4)
+            assert k.meta["smem_base"] + 3 * k.meta["smem_per_head"] <= 227 * 1024  # 3 heads on sm_90
+            assert f"mma::scan<{dk}, 32, {r}>" in k.source and "#include <dflashgen/gdn_chunk_mma.cuh>" in k.source
+            assert f"smem_per_head_bytes<{dk}, 32, {r}>() == {k.meta['smem_per_head']}" in k.source
+            assert f"__launch_bounds__({96 * r}, 1)" in k.source
+        else:  # compute_70: no TF32 MMA, the CUDA-core scan
+            assert k.name == f"dfg_sm{k.arch}_gdnck_dk{dk}_c32_n16_w4"
+            assert (k.meta["chunk"], k.meta["cols"], k.meta["threads"], k.meta["scan"]) == (32, 16, 128, "fp32")
+            assert k.meta["smem"] == 4 * (96 * (dk + 4) + 16 * dk + 64 * 36 + 96 * 16 + 64)
+            assert f"scan<{dk}, 32, 16, 128>" in k.source and "#include <dflashgen/gdn_chunk.cuh>" in k.source
+            assert f"scan_smem_bytes<{dk}, 32, 16>() == {k.meta['smem']}" in k.source
     assert {k.name for k in io} == {f"dfg_sm{a}_gdnio_w4_d256_pt16" for a in (70, 80, 90)}
     for k in io:  # one set per arch, dims at run time
         assert f"{k.name}(" in k.source and f"{k.name}_gate(" in k.source and f"{k.name}_prefill(" in k.source
@@ -101,8 +112,10 @@ def test_manifest_lists_the_family_and_files_exist() -> None:
         if e["mode"] == "io":
             assert (e["threads"], e["warps"], e["max_d"]) == (128, 4, 256)
         elif e["mode"] == "chunk":
-            assert (e["threads"], e["cols"], e["chunk"]) == (128, 16, 32)
-            assert e["smem"] == gdn_family.chunk_smem_bytes(e["dk"]) <= 75 * 1024  # 3 CTAs per SM on sm_90
+            assert e["prep_threads"] == 128 and e == {**gdn_family.chunk_meta(e["arch"], e["dk"]), **e}
+            if e["arch"] < 80:  # CUDA cores: 16 columns per 128-thread CTA, 3 per SM
+                assert (e["threads"], e["cols"], e["chunk"], e["scan"]) == (128, 16, 32, "fp32")
+                assert e["smem"] == gdn_family.chunk_smem_bytes(e["dk"]) <= 75 * 1024
         elif e["mode"] == "step":
             assert (e["threads"], e["cols"], e["max_t"]) == (128, 32, 16)
             assert e["smem_per_t"] == 4 * (2 * e["dk"] + 34) and e["advance_smem_per_t"] == 4 * (e["dk"] + 33)
@@ -459,3 +472,13 @@ def test_fma32_rounds_once() -> None:
     assert got.tolist() == want
     separate = (a * b + c).tolist()  # two roundings: must differ somewhere, or the test proves nothing
     assert separate != want
+
+
+def test_chunk_scan_heads_per_cta() -> None:
+    """The tensor-core chunk scan's CTA holds value heads of one key head: the largest divisor of the
+    GQA group within the cap (shared memory / launch bounds); one head without GQA or when none fits."""
+    from dflashgen.runtime.gdn_kernel import chunk_heads_per_cta
+
+    assert [chunk_heads_per_cta(rep, 3) for rep in (1, 2, 3, 4, 5, 6, 8, 9)] == [1, 2, 3, 2, 1, 3, 2, 3]
+    assert chunk_heads_per_cta(3, 2) == 1 and chunk_heads_per_cta(4, 1) == 1
+

@@ -222,7 +222,8 @@ def _reference64(s0: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("t", "hk", "hv", "dk", "dv"), [(1023, 16, 48, 128, 128), (100, 2, 6, 32, 40),
                                                          (77, 4, 12, 64, 128), (33, 2, 4, 16, 16),
-                                                         (32, 16, 48, 128, 128), (5, 2, 6, 32, 40)])
+                                                         (32, 16, 48, 128, 128), (5, 2, 6, 32, 40),
+                                                         (70, 4, 4, 64, 32)])
 def test_chunked_prefill_matches_the_recurrence(arch: str | int, t: int, hk: int, hv: int, dk: int, dv: int) -> None:
     """The chunk-form prefill kernels (prep + scan) against the recurrence in FP64: outputs and the
     state after ragged n[b] (T, 0, mid-chunk, T - 3) within 1e-5, next to the sequential kernel's own

@@ -8,7 +8,7 @@ GDN glue and step as the target runs them (gdn_inputs -> the replaying step -> g
 layers of their own state (the states from DRAM, as in a forward), per layer. Run under ncu with
 ``-k regex:dfg_sm90_gdn --launch-skip 2 --launch-count 1 python3 tools/gdn_bench.py --batches 8``.
 
-    python3 tools/gdn_bench.py [--batches 1 2 4 8] [--prefill 1023] [--json PATH]
+    python3 tools/gdn_bench.py [--batches 1 2 4 8] [--prefill 1023 [--prefill-batches 1 4]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -94,23 +94,27 @@ def time_chain(b: int, dev: torch.device, gen: torch.Generator, layers: int = 48
     return _graph_us(forward, reps=1, samples=9) / layers
 
 
-def time_prefill(t: int, dev: torch.device, gen: torch.Generator) -> dict[str, float]:
-    """One request's prefill of t positions (the state committed in place), per GDN layer (us)."""
-    s = torch.randn(1, HV, DK, DV, device=dev, generator=gen) * 0.1
-    q, k = (torch.randn(1, t, HK, DK, device=dev, generator=gen) * 0.1 for _ in range(2))
-    v = torch.randn(1, t, HV, DV, device=dev, generator=gen)
-    beta = torch.rand(1, t, HV, device=dev, generator=gen)
-    log_decay = -torch.rand(1, t, HV, device=dev, generator=gen)
-    o = torch.empty(1, t, HV, DV, device=dev)
+def time_prefill(t: int, dev: torch.device, gen: torch.Generator, b: int = 1) -> dict[str, float]:
+    """B requests' prefill of t positions each (the state committed in place), per GDN layer (us): the
+    sequential kernel and the chunk-form pair (prep + scan)."""
+    s = torch.randn(b, HV, DK, DV, device=dev, generator=gen) * 0.1
+    q, k = (torch.nn.functional.normalize(torch.randn(b, t, HK, DK, device=dev, generator=gen), dim=-1)
+            for _ in range(2))  # L2-normalised, as gdn_inputs makes them
+    v = torch.randn(b, t, HV, DV, device=dev, generator=gen)
+    beta = torch.rand(b, t, HV, device=dev, generator=gen)
+    log_decay = -torch.rand(b, t, HV, device=dev, generator=gen)
+    o = torch.empty(b, t, HV, DV, device=dev)
     us = _graph_us(lambda: gdn_prefill(s, q, k, v, beta, log_decay, o=o), reps=5, samples=9)
     ck = _graph_us(lambda: gdn_prefill_chunked(s, q, k, v, beta, log_decay, o=o), reps=5, samples=9)
-    return {"T": t, "prefill_us": round(us, 1), "us_per_position": round(us / t, 3), "chunked_us": round(ck, 1)}
+    return {"T": t, "B": b, "prefill_us": round(us, 1), "us_per_position": round(us / t / b, 3),
+            "chunked_us": round(ck, 1), "speedup": round(us / ck, 2)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prefill lengths to time (B = 1)")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8], help="step batches (none: skip)")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prefill lengths to time")
+    ap.add_argument("--prefill-batches", type=int, nargs="+", default=[1], help="requests per prefill")
     ap.add_argument("--json", default=None)
     ap.add_argument("--chain-only", action="store_true", help="time only the inputs -> step -> gate chain")
     args = ap.parse_args()
@@ -126,8 +130,9 @@ def main() -> None:
         print(rows[-1], flush=True)
     prefill = []
     for t in args.prefill:
-        prefill.append(time_prefill(t, dev, gen))
-        print(prefill[-1], flush=True)
+        for b in args.prefill_batches:
+            prefill.append(time_prefill(t, dev, gen, b))
+            print(prefill[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "T": T, "rows": rows, "prefill": prefill}, f, indent=1)

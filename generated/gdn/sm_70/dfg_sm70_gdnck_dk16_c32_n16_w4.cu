@@ -4,8 +4,9 @@
 // kernel     dfg_sm70_gdnck_dk16_c32_n16_w4_prep and dfg_sm70_gdnck_dk16_c32_n16_w4 (gated delta rule prefill in chunk form: any T, commit only)
 // arch       sm_70
 // key dim    16 (value dim and heads at run time, dv % 4 == 0)
+// prep       grid (ceil(T / 32), Hk, B), 128 threads: a key head's k.k / q.k once, then a warp
+//            per value head: g, exp(g), end weights, Tm, P per chunk into the workspace
 // chunks     32 positions from each request's first; FP32 products on CUDA cores
-// prep       grid (ceil(T / 32), Hv, B), 128 threads: g, Tm, P per chunk into the workspace
 // scan       grid (ceil(dv / 16), Hv, B), 128 threads, 24320 bytes of dynamic shared memory:
 //            the chunks in order, outputs o and the state after n[b] positions in place
 // staging    q / k as 16-byte copies (cp.async on sm_80+): q, k, o, s and the workspace 16-byte aligned

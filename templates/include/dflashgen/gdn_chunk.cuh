@@ -19,8 +19,9 @@
 // (unrolling S_t = d_t S_{t-1} + k_t u_t^T, u_t = beta_t (v_t - d_t S_{t-1}^T k_t) over the chunk gives
 // (I + N) u = r; every exponent is <= 0, so nothing overflows at any chunk length.)
 //
-// prep  grid (ceil(T / C), Hv, B): g, Tm and P per chunk and value head into a workspace (each chunk
-//       on its own: fully parallel). Tm and P [C, C] row-major with zeros above the diagonal.
+// prep  grid (ceil(T / C), Hk, B): g (and its exponentials), Tm and P per chunk and value head into a
+//       workspace (each chunk on its own: fully parallel; the products once per key head). Tm and P
+//       [C, C] row-major with zeros above the diagonal.
 // scan  grid (ceil(dv / COLS), Hv, B): a CTA owns COLS columns of one head's state (columns are
 //       independent, as in gdn.cuh) and walks the chunks in order: S0^T k and S0^T q for the chunk's
 //       rows (A), u = Tm r (B), the outputs (C), the state after the chunk (D) -- and, in the chunk
@@ -103,81 +104,115 @@ __device__ __forceinline__ void stage_rows(float (*dst)[LD], const float* x, lon
   }
 }
 
+// prep, per chunk and key head: the k.k and q.k products once for the key head's value heads (GQA),
+// then one warp per value head (heads past the warps in turn): g, exp(g), the end weights, P and, by
+// forward substitution, Tm. Workspace per (b, value head, chunk): gew [3][C] = g_t, exp(g_t),
+// exp(g_{L-1} - g_t) (L the chunk's positions; the scans' decays, so they take no exp of their own at
+// the chunk's end), Tm and P [C][C] row-major with zeros above the diagonal.
+template <int DK, int C>
+struct PrepSmem {
+  union {
+    struct {
+      float ks[C][DK + 4], qs[C][DK + 4];  // padded as the scan's (Geometry::DKP)
+    } in;
+    struct {
+      float kk[C][C + 1], qk[C][C + 1];    // k_t . k_i, q_t . k_i (all t, i)
+      float ns[4][C][C + 1];               // per warp: its head's N
+    } out;
+  } u;
+  float lg[4][C], gs[4][C];
+};
+
 template <int DK, int C, int THREADS>
 __device__ __forceinline__ void prep(const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ beta, const float* __restrict__ log_decay, int T,
                                      int Hk, int Hv, float* __restrict__ ws_g, float* __restrict__ ws_t,
                                      float* __restrict__ ws_p) {
   constexpr int TPR = THREADS / C, IPT = C / TPR;  // threads per chunk row; products per thread and kind
-  static_assert(DK % 4 == 0 && THREADS % C == 0 && C % TPR == 0 && C <= 32,
-                "whole rows per thread group; one warp substitutes");
-  __shared__ __align__(16) float ks[C][DK + 4];  // padded as the scan's (Geometry::DKP)
-  __shared__ __align__(16) float qs[C][DK + 4];
-  __shared__ float ns[C][C + 4], lg[C], gs[C], bs[C];
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kh = h / (Hv / Hk);
+  constexpr int WARPS = THREADS / 32;
+  static_assert(DK % 4 == 0 && THREADS % C == 0 && C % TPR == 0 && C == 32 && WARPS == 4,
+                "whole rows per thread group; one lane per chunk row in the per-head phase");
+  __shared__ __align__(16) PrepSmem<DK, C> sm;
+  const int c = blockIdx.x, kh = blockIdx.y, b = blockIdx.z, rep = Hv / Hk, nch = gridDim.x;
   const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
   const long long row0 = ((long long)b * T + t0) * Hk + kh;  // (b, t0, kh) in units of DK
-  stage_rows<DK, C, THREADS>(ks, k, row0, Hk, L);
-  stage_rows<DK, C, THREADS>(qs, q, row0, Hk, L);
-  if (threadIdx.x < C) {
-    const int t = threadIdx.x;
-    const long long at = ((long long)b * T + t0 + t) * Hv + h;
-    lg[t] = t < L ? log_decay[at] : 0.f;
-    bs[t] = t < L ? beta[at] : 0.f;
-  }
+  stage_rows<DK, C, THREADS>(sm.u.in.ks, k, row0, Hk, L);
+  stage_rows<DK, C, THREADS>(sm.u.in.qs, q, row0, Hk, L);
   gdn::copy16_wait();
   __syncthreads();
-  const long long ch = ((long long)b * Hv + h) * gridDim.x + c;  // this chunk-head's workspace block
-  if (threadIdx.x < C) {  // g_t: its own ascending sum (positions <= t only)
-    float acc = 0.f;
-    for (int i = 0; i <= (int)threadIdx.x; ++i) acc = __fadd_rn(acc, lg[i]);
-    gs[threadIdx.x] = acc;
-    ws_g[ch * C + threadIdx.x] = acc;
-  }
   // k_t . k_i and q_t . k_i for this thread's row t and columns i = ig + TPR m (DK ascending, one fma chain)
-  const int t = threadIdx.x / TPR, ig = threadIdx.x % TPR;
-  float kk[IPT] = {}, qk[IPT] = {};
+  {
+    const int t = threadIdx.x / TPR, ig = threadIdx.x % TPR;
+    float kk[IPT] = {}, qk[IPT] = {};
 #pragma unroll 4
-  for (int d = 0; d < DK; d += 4) {
-    const float4 kt = ld4(&ks[t][d]), qt = ld4(&qs[t][d]);
+    for (int d = 0; d < DK; d += 4) {
+      const float4 kt = ld4(&sm.u.in.ks[t][d]), qt = ld4(&sm.u.in.qs[t][d]);
+#pragma unroll
+      for (int m = 0; m < IPT; ++m) {
+        const float4 ki = ld4(&sm.u.in.ks[ig + TPR * m][d]);
+        kk[m] = __fmaf_rn(kt.x, ki.x, kk[m]);
+        kk[m] = __fmaf_rn(kt.y, ki.y, kk[m]);
+        kk[m] = __fmaf_rn(kt.z, ki.z, kk[m]);
+        kk[m] = __fmaf_rn(kt.w, ki.w, kk[m]);
+        qk[m] = __fmaf_rn(qt.x, ki.x, qk[m]);
+        qk[m] = __fmaf_rn(qt.y, ki.y, qk[m]);
+        qk[m] = __fmaf_rn(qt.z, ki.z, qk[m]);
+        qk[m] = __fmaf_rn(qt.w, ki.w, qk[m]);
+      }
+    }
+    __syncthreads();  // every thread is done with ks / qs: the products take their place
 #pragma unroll
     for (int m = 0; m < IPT; ++m) {
-      const float4 ki = ld4(&ks[ig + TPR * m][d]);
-      kk[m] = __fmaf_rn(kt.x, ki.x, kk[m]);
-      kk[m] = __fmaf_rn(kt.y, ki.y, kk[m]);
-      kk[m] = __fmaf_rn(kt.z, ki.z, kk[m]);
-      kk[m] = __fmaf_rn(kt.w, ki.w, kk[m]);
-      qk[m] = __fmaf_rn(qt.x, ki.x, qk[m]);
-      qk[m] = __fmaf_rn(qt.y, ki.y, qk[m]);
-      qk[m] = __fmaf_rn(qt.z, ki.z, qk[m]);
-      qk[m] = __fmaf_rn(qt.w, ki.w, qk[m]);
+      sm.u.out.kk[t][ig + TPR * m] = kk[m];
+      sm.u.out.qk[t][ig + TPR * m] = qk[m];
     }
-  }
-  __syncthreads();  // gs
-  const float gt = gs[t], bt = bs[t];
-  float* prow = ws_p + (ch * C + t) * C;
-#pragma unroll
-  for (int m = 0; m < IPT; ++m) {
-    const int i = ig + TPR * m;
-    const float dec = i <= t ? expf(__fsub_rn(gt, gs[i])) : 0.f;
-    ns[t][i] = i < t ? __fmul_rn(bt, __fmul_rn(dec, kk[m])) : 0.f;
-    prow[i] = i <= t ? __fmul_rn(dec, qk[m]) : 0.f;
   }
   __syncthreads();
-  // Tm = (I + N)^-1 by forward substitution, one lane per column j: Tm_tj = [t == j] - sum_{i<t} N_ti Tm_ij
-  // (i ascending; row t needs rows < t only)
-  if (threadIdx.x < C) {
-    const int j = threadIdx.x;
-    float col[C];
-    float* tcol = ws_t + ch * C * C + j;
-#pragma unroll
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane;
+  float(*ns)[C + 1] = sm.u.out.ns[w];
+  for (int hh = w; hh < rep; hh += WARPS) {
+    const int h = kh * rep + hh;
+    const long long at = ((long long)b * T + t0 + t) * Hv + h;
+    sm.lg[w][t] = t < L ? log_decay[at] : 0.f;
+    const float bt = t < L ? beta[at] : 0.f;
+    __syncwarp();
+    float gt = 0.f;  // g_t: its own ascending sum (positions <= t only)
+    for (int i = 0; i <= t; ++i) gt = __fadd_rn(gt, sm.lg[w][i]);
+    sm.gs[w][t] = gt;
+    __syncwarp();
+    const float gl = sm.gs[w][L - 1];
+    const long long ch = ((long long)b * Hv + h) * nch + c;  // this chunk-head's workspace block
+    ws_g[ch * 3 * C + t] = gt;
+    ws_g[ch * 3 * C + C + t] = expf(gt);
+    ws_g[ch * 3 * C + 2 * C + t] = expf(__fsub_rn(gl, gt));
+    sm.lg[w][t] = bt;  // beta, for the rows below (lg is spent)
+    __syncwarp();
+    // N and P row by row, lane i one column (P's rows stored whole: coalesced)
+    const int i = lane;
+    float* pc = ws_p + ch * C * C + i;
+#pragma unroll 4
     for (int r = 0; r < C; ++r) {
-      float acc = r == j ? 1.f : 0.f;
-#pragma unroll
-      for (int i = 0; i < r; ++i) acc = __fmaf_rn(-ns[r][i], col[i], acc);
-      col[r] = acc;
-      tcol[r * C] = acc;
+      const float dec = i <= r ? expf(__fsub_rn(sm.gs[w][r], gt)) : 0.f;
+      ns[r][i] = i < r ? __fmul_rn(sm.lg[w][r], __fmul_rn(dec, sm.u.out.kk[r][i])) : 0.f;
+      pc[r * C] = i <= r ? __fmul_rn(dec, sm.u.out.qk[r][i]) : 0.f;
     }
+    __syncwarp();
+    // Tm = (I + N)^-1 by forward substitution, one lane per column j: Tm_tj = [t == j] - sum_{i<t} N_ti Tm_ij
+    // (i ascending; row t needs rows < t only)
+    {
+      const int j = lane;
+      float col[C];
+      float* tcol = ws_t + ch * C * C + j;
+#pragma unroll
+      for (int r = 0; r < C; ++r) {
+        float acc = r == j ? 1.f : 0.f;
+#pragma unroll
+        for (int i = 0; i < r; ++i) acc = __fmaf_rn(-ns[r][i], col[i], acc);
+        col[r] = acc;
+        tcol[r * C] = acc;
+      }
+    }
+    __syncwarp();  // ns and lg / gs are this warp's again
   }
 }
 
@@ -262,7 +297,7 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
     if (threadIdx.x < C && c < nch) {
       const int t = threadIdx.x;
       br = t < L ? beta[((long long)b * T + t0 + t) * Hv + h] : 0.f;
-      gr = ws_g[(((long long)b * Hv + h) * nch + c) * C + t];
+      gr = ws_g[(((long long)b * Hv + h) * nch + c) * 3 * C + t];
     }
   };
   auto store_small = [&]() {
