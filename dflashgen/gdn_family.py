@@ -121,9 +121,9 @@ def chunk_smem_bytes(dk: int) -> int:
 def chunk_mma_smem(dk: int) -> tuple[int, int]:
     """The tensor-core scan's dynamic shared memory (gdn_chunk_mma.cuh Layout) as (bytes per CTA, bytes
     per value head): k and q rows, two buffers each; per head Tm / P rows padded to CHUNK + 8 and v
-    rows of 16 + 4 (two buffers each), prep's g / exp(g) / end weights and beta, and the A-step exchange
-    (split x 2 CHUNK / 8 float4 per lane)."""
-    exchange = chunk_split(dk) * 2 * (CHUNK // 8) * 32 * 4
+    rows of 16 + 4 (two buffers each), prep's g / exp(g) / end weights and beta, and the exchanges
+    ((split x 2 + 1) x CHUNK / 8 float4 per lane: step A's partial sums, then u)."""
+    exchange = (chunk_split(dk) * 2 + 1) * (CHUNK // 8) * 32 * 4  # step A's partial sums, then u
     per_head = 2 * 2 * CHUNK * (CHUNK + 8) + 2 * CHUNK * 20 + 2 * 4 * CHUNK + exchange
     return 4 * 4 * CHUNK * dk, 4 * per_head
 

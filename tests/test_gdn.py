@@ -63,7 +63,7 @@ def test_family_renders_every_arch_and_key_dim() -> None:
             assert k.name == f"dfg_sm{k.arch}_gdnck_dk{dk}_c32_tf32x3_r{r}"
             assert (k.meta["chunk"], k.meta["cols"], k.meta["threads"], k.meta["scan"]) == (32, 16, 32 * r, "tf32x3")
             assert (k.meta["smem_base"], k.meta["max_heads"]) == (4 * 4 * 32 * dk, 3)
-            assert k.meta["smem_per_head"] == 4 * (4 * 32 * 40 + 2 * 32 * 20 + 8 * 32 + r * 8 * 32 * 4)
+            assert k.meta["smem_per_head"] == 4 * (4 * 32 * 40 + 2 * 32 * 20 + 8 * 32 + (2 * r + 1) * 4 * 32 * 4)
             assert k.meta["smem_base"] + 3 * k.meta["smem_per_head"] <= 227 * 1024  # 3 heads on sm_90
             assert f"mma::scan<{dk}, 32, {r}>" in k.source and "#include <dflashgen/gdn_chunk_mma.cuh>" in k.source
             assert f"smem_per_head_bytes<{dk}, 32, {r}>() == {k.meta['smem_per_head']}" in k.source

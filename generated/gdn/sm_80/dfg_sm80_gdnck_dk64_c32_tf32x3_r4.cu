@@ -9,13 +9,13 @@
 // chunks     32 positions from each request's first; products as mma.sync m16n8k8 TF32 in the
 //            3xTF32 split (about FP32's accuracy), the state in registers
 // scan       grid (ceil(dv / 16), Hv / H, B), 128 H threads (H value heads of one key head per CTA,
-//            the key dim split over 4 warps per 16 columns), 32768 + 43008 H bytes of
+//            the key dim split over 4 warps per 16 columns), 32768 + 45056 H bytes of
 //            dynamic shared memory: the chunks in order, outputs o and the state after n[b] positions in place
 // staging    q / k as 16-byte copies (cp.async on sm_80+): q, k, o, s and the workspace 16-byte aligned
 #include <dflashgen/gdn_chunk_mma.cuh>
 
 static_assert(dflashgen::gdn_chunk::mma::smem_base_bytes<64, 32, 4>() == 32768 &&
-              dflashgen::gdn_chunk::mma::smem_per_head_bytes<64, 32, 4>() == 43008,
+              dflashgen::gdn_chunk::mma::smem_per_head_bytes<64, 32, 4>() == 45056,
               "family and header disagree on the scan's shared memory");
 
 extern "C" __global__ void __launch_bounds__(128)

@@ -13,9 +13,10 @@
 // An accumulator tile (c0 = (g, 2q), c1 = (g, 2q + 1), c2 = (g + 8, 2q), c3 = (g + 8, 2q + 1); g = lane
 // / 4, q = lane % 4) is an A fragment when the k slots are permuted: slot q holds k = 2q, slot q + 4
 // holds k = 2q + 1 (a = {c0, c2, c1, c3}); the B fragments read their k rows in the same permutation
-// (b0 = row 2q, b1 = row 2q + 1), so the state, r and u never leave the registers.
+// (b0 = row 2q, b1 = row 2q + 1), so the state never leaves the registers.
 // Parallelism: a 1K prompt has only 48 heads x 8 blocks of 16 columns (B1), so each block's key dim is
-// split over R warps (the state's tiles; step A's R partial sums meet in shared memory), and a CTA
+// split over R warps (the state's tiles; step A's R partial sums meet in shared memory, steps B / C
+// are split by output tile and u is exchanged whole the same way), and a CTA
 // holds the value heads that share a key head (GQA), so the chunk's k / q rows are staged once for all
 // of them (L2 traffic) -- 4 R x 16 x 3 warps per CTA at the Qwen3.8 shapes, one CTA per SM.
 // Bits: every product runs over the same k slots in the same order whatever the batch or T's padding;
@@ -88,13 +89,13 @@ __device__ __forceinline__ int kq_at(int r, int d) {
 
 // The scan's shared memory, per CTA of H value heads (runtime) sharing one key head's k / q rows:
 // k and q double-buffered [2][C * DK] (swizzled), then per head Tm and P [2][C][C + 8], v [2][C][20]
-// (rows 2q, column g conflict-free), prep's g / exp(g) / end weights [2][3C] and beta [2][C], and the A-step exchange: R x 2 C / 8 float4 per
-// lane and head.
+// (rows 2q, column g conflict-free), prep's g / exp(g) / end weights [2][3C] and beta [2][C], and the
+// exchanges: R x 2 C / 8 float4 per lane and head for step A's partial sums, C / 8 for u.
 template <int DK, int C, int R>
 struct Layout {
   static constexpr int CP = C + 8, VP = 20;
   static constexpr int BASE = 2 * 2 * C * DK;  // floats: k and q, two buffers each
-  static constexpr int PER_HEAD = 2 * 2 * C * CP + 2 * C * VP + 2 * 4 * C + R * 2 * (C / 8) * 32 * 4;
+  static constexpr int PER_HEAD = 2 * 2 * C * CP + 2 * C * VP + 2 * 4 * C + (R * 2 + 1) * (C / 8) * 32 * 4;
   static_assert(BASE % 4 == 0 && PER_HEAD % 4 == 0, "16-byte aligned regions");
 };
 template <int DK, int C, int R>
@@ -104,16 +105,16 @@ constexpr int smem_per_head_bytes() { return 4 * Layout<DK, C, R>::PER_HEAD; }
 
 // grid (ceil(dv / 16), Hv / H, B), 32 R H threads: warp w is split r = w % R of value head h0 + w / R's
 // 16 columns (the key dim split R ways: each warp holds S^T[16, DK / R] and runs step A over its
-// share, the R partials summed through shared memory in the fixed order 0..R-1, so every warp of a head
-// sees the same full S0^T k / S0^T q; steps B and C then run alike in each (u identical in all R), and
-// step D updates each warp's own share of the state).
+// share, the R partials summed through shared memory in the fixed order 0..R-1; steps B and C run on
+// the position tiles nt = r (mod R), u is exchanged whole through shared memory, and step D updates
+// each warp's own share of the state).
 template <int DK, int C, int R>
 __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, long long vs_b, long long vs_t, long long vs_c,
                                      const float* __restrict__ beta, const float* __restrict__ ws_g,
                                      const float* __restrict__ ws_t, const float* __restrict__ ws_p, int T, int Hk,
                                      int Hv, int dv, float* __restrict__ o, const long long* __restrict__ n) {
-  static_assert(C % 8 == 0 && DK % (8 * R) == 0, "whole m16n8k8 tiles per warp");
+  static_assert(C % 8 == 0 && DK % (8 * R) == 0 && R <= C / 8, "whole m16n8k8 tiles per warp");
   using Lay = Layout<DK, C, R>;
   constexpr int NT = C / 8;        // position tiles of a chunk
   constexpr int DTW = DK / 8 / R;  // key-dim tiles of the state per warp
@@ -128,6 +129,7 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
   float* const gs_base = vs_base + H * 2 * C * VP;  // [H][2][3C]: g, exp(g), exp(g_{L-1} - g)
   float* const bs_base = gs_base + H * 2 * 3 * C;   // [H][2][C]
   float4* const ex = reinterpret_cast<float4*>(bs_base + H * 2 * C);  // [H * R][2 NT][32]
+  float4* const uex = ex + H * R * 2 * NT * 32;                       // [H][NT][32]: u by tile
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qq = lane % 4;
   const int hs = warp / R, r = warp % R;  // head slot in the CTA, key-dim share
@@ -249,7 +251,11 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
         mma3(aq[nt], a, frag_b(qf.x, qf.y));
       }
     }
-    // ... and the head's R shares summed in the order 0..R-1 (every warp of the head: the same sums)
+    // ... and the head's R shares summed in the order 0..R-1. Steps B and C are split by output tile:
+    // warp r owns the position tiles nt = r (mod R) -- it needs the sums of S0^T k for the tiles up to
+    // its last (r at every tile <= it) and of S0^T q for its own tiles; u is then exchanged whole.
+    const auto own = [&](int nt) { return nt % R == r; };
+    const int top = r + R * ((NT - 1 - r) / R);  // this warp's last tile
     if constexpr (R > 1) {
       float4* mine = ex + (warp * 2 * NT) * 32 + lane;
 #pragma unroll
@@ -259,53 +265,74 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
       }
       __syncthreads();
       const float4* all = ex + (hs * R * 2 * NT) * 32 + lane;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float4 sk = all[nt * 32], sq = all[(NT + nt) * 32];
+      auto sum = [&](int slot, float (&x)[4]) {  // slot: nt (k) or NT + nt (q)
+        float4 a = all[slot * 32];
 #pragma unroll
         for (int pr = 1; pr < R; ++pr) {
-          const float4 xk = all[(pr * 2 * NT + nt) * 32], xq = all[(pr * 2 * NT + NT + nt) * 32];
-          sk = make_float4(__fadd_rn(sk.x, xk.x), __fadd_rn(sk.y, xk.y), __fadd_rn(sk.z, xk.z), __fadd_rn(sk.w, xk.w));
-          sq = make_float4(__fadd_rn(sq.x, xq.x), __fadd_rn(sq.y, xq.y), __fadd_rn(sq.z, xq.z), __fadd_rn(sq.w, xq.w));
+          const float4 y = all[(pr * 2 * NT + slot) * 32];
+          a = make_float4(__fadd_rn(a.x, y.x), __fadd_rn(a.y, y.y), __fadd_rn(a.z, y.z), __fadd_rn(a.w, y.w));
         }
-        ak[nt][0] = sk.x, ak[nt][1] = sk.y, ak[nt][2] = sk.z, ak[nt][3] = sk.w;
-        aq[nt][0] = sq.x, aq[nt][1] = sq.y, aq[nt][2] = sq.z, aq[nt][3] = sq.w;
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+      };
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt <= top) sum(nt, ak[nt]);
+        if (own(nt)) sum(NT + nt, aq[nt]);
       }
     }
-    // r_t = beta_t (v_t - exp(g_t) S0^T k_t) in place of ak; exp(g_t) S0^T q_t in place of aq
+    // r_t = beta_t (v_t - exp(g_t) S0^T k_t) in place of ak (tiles up to this warp's last); exp(g_t)
+    // S0^T q_t in place of aq (its own tiles)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * qq + (e & 1), jj = g + 8 * (e >> 1);
         const float eg = gs[C + t];
-        ak[nt][e] = __fmul_rn(bs[t], __fsub_rn(vs[t * VP + jj], __fmul_rn(eg, ak[nt][e])));
-        aq[nt][e] = __fmul_rn(eg, aq[nt][e]);
+        if (nt <= top) ak[nt][e] = __fmul_rn(bs[t], __fsub_rn(vs[t * VP + jj], __fmul_rn(eg, ak[nt][e])));
+        if (own(nt)) aq[nt][e] = __fmul_rn(eg, aq[nt][e]);
       }
-    // B: u_t = sum_{i <= t} Tm_ti r_i (position blocks on or below the diagonal)
+    // B: u_t = sum_{i <= t} Tm_ti r_i for this warp's tiles (position blocks on or below the diagonal),
+    // then every tile of u from its owner (the same bits whichever warp computed it)
     float u[NT][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NT; ++kt) {
+      if (kt > top) continue;
       const FragA a = frag_a(ak[kt]);
 #pragma unroll
       for (int nt = kt; nt < NT; ++nt) {
+        if (!own(nt)) continue;
         const float2 tf = *reinterpret_cast<const float2*>(&tm[(8 * nt + g) * CP + 8 * kt + 2 * qq]);
         mma3(u[nt], a, frag_b(tf.x, tf.y));
       }
     }
-    // C: o_t = exp(g_t) S0^T q_t + sum_{i <= t} P_ti u_i; each warp of the head stores its share of the tiles
+    if constexpr (R > 1) {
+      float4* uh = uex + (hs * NT) * 32 + lane;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (own(nt)) uh[nt * 32] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
+      __syncthreads();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (own(nt)) continue;
+        const float4 x = uh[nt * 32];
+        u[nt][0] = x.x, u[nt][1] = x.y, u[nt][2] = x.z, u[nt][3] = x.w;
+      }
+    }
+    // C: o_t = exp(g_t) S0^T q_t + sum_{i <= t} P_ti u_i for this warp's tiles, stored
 #pragma unroll
     for (int kt = 0; kt < NT; ++kt) {
+      if (kt > top) continue;
       const FragA a = frag_a(u[kt]);
 #pragma unroll
       for (int nt = kt; nt < NT; ++nt) {
+        if (!own(nt)) continue;
         const float2 pf = *reinterpret_cast<const float2*>(&pm[(8 * nt + g) * CP + 8 * kt + 2 * qq]);
         mma3(aq[nt], a, frag_b(pf.x, pf.y));
       }
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      if (nt % R != r) continue;
+      if (!own(nt)) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + 2 * qq + (e & 1);
