@@ -291,20 +291,25 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
         if (nt <= top) ak[nt][e] = __fmul_rn(bs[t], __fsub_rn(vs[t * VP + jj], __fmul_rn(eg, ak[nt][e])));
         if (own(nt)) aq[nt][e] = __fmul_rn(eg, aq[nt][e]);
       }
-    // B: u_t = sum_{i <= t} Tm_ti r_i for this warp's tiles (position blocks on or below the diagonal),
-    // then every tile of u from its owner (the same bits whichever warp computed it)
-    float u[NT][4] = {};
+    // acc_t += sum_{i <= t} m_ti x_i for this warp's tiles t (m: Tm or P, C x C row-major in shared
+    // memory; position blocks on or below the diagonal only)
+    auto lower_product = [&](const float (&x)[NT][4], const float* m, float (&acc)[NT][4]) {
 #pragma unroll
-    for (int kt = 0; kt < NT; ++kt) {
-      if (kt > top) continue;
-      const FragA a = frag_a(ak[kt]);
+      for (int kt = 0; kt < NT; ++kt) {
+        if (kt > top) continue;
+        const FragA a = frag_a(x[kt]);
 #pragma unroll
-      for (int nt = kt; nt < NT; ++nt) {
-        if (!own(nt)) continue;
-        const float2 tf = *reinterpret_cast<const float2*>(&tm[(8 * nt + g) * CP + 8 * kt + 2 * qq]);
-        mma3(u[nt], a, frag_b(tf.x, tf.y));
+        for (int nt = kt; nt < NT; ++nt) {
+          if (!own(nt)) continue;
+          const float2 mf = *reinterpret_cast<const float2*>(&m[(8 * nt + g) * CP + 8 * kt + 2 * qq]);
+          mma3(acc[nt], a, frag_b(mf.x, mf.y));
+        }
       }
-    }
+    };
+    // B: u_t = sum_{i <= t} Tm_ti r_i for this warp's tiles, then every tile of u from its owner (the
+    // same bits whichever warp computed it)
+    float u[NT][4] = {};
+    lower_product(ak, tm, u);
     if constexpr (R > 1) {
       float4* uh = uex + (hs * NT) * 32 + lane;
 #pragma unroll
@@ -319,17 +324,7 @@ __device__ __forceinline__ void scan(float* s, const float* __restrict__ q, cons
       }
     }
     // C: o_t = exp(g_t) S0^T q_t + sum_{i <= t} P_ti u_i for this warp's tiles, stored
-#pragma unroll
-    for (int kt = 0; kt < NT; ++kt) {
-      if (kt > top) continue;
-      const FragA a = frag_a(u[kt]);
-#pragma unroll
-      for (int nt = kt; nt < NT; ++nt) {
-        if (!own(nt)) continue;
-        const float2 pf = *reinterpret_cast<const float2*>(&pm[(8 * nt + g) * CP + 8 * kt + 2 * qq]);
-        mma3(aq[nt], a, frag_b(pf.x, pf.y));
-      }
-    }
+    lower_product(u, pm, aq);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (!own(nt)) continue;
