@@ -27,7 +27,8 @@ copied while this one's positions run), committing the state after n[b] position
 in place, outputs o only -- a prefill that is not armed for rollback, bitwise T one-token steps.
 
 Plus one chunk-form prefill pair per (arch, key head dim), ``templates/gdn_chunk.cu.j2``
-(``dfg_sm90_gdnck_dk128_c32_n16_w4``, manifest ``mode: "chunk"``; logic in
+(``dfg_sm90_gdnck_dk128_c32_tf32x3_r4``, compute_70 ``dfg_sm70_gdnck_dk128_c32_n16_w4``, manifest
+``mode: "chunk"``; logic in
 ``templates/include/dflashgen/gdn_chunk.cuh``): ``<name>_prep`` (per chunk of 32 positions and key
 head: the k.k / q.k products once, then per value head the cumulative log decays and their
 exponentials, (I + N)^-1 and the decayed q.k products, into a workspace) and ``<name>`` (the chunks in
