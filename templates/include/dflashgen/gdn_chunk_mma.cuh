@@ -16,9 +16,9 @@
 // (b0 = row 2q, b1 = row 2q + 1), so the state never leaves the registers.
 // Parallelism: a 1K prompt has only 48 heads x 8 blocks of 16 columns (B1), so each block's key dim is
 // split over R warps (the state's tiles; step A's R partial sums meet in shared memory, steps B / C
-// are split by output tile and u is exchanged whole the same way), and a CTA
-// holds the value heads that share a key head (GQA), so the chunk's k / q rows are staged once for all
-// of them (L2 traffic) -- 4 R x 16 x 3 warps per CTA at the Qwen3.8 shapes, one CTA per SM.
+// are split by output tile and u is exchanged whole the same way), and a CTA holds the value heads
+// that share a key head (GQA), so the chunk's k / q rows are staged once for all of them (L2
+// traffic): R = 4 warps x 3 heads per CTA at the Qwen3.8 shapes, one CTA per SM.
 // Bits: every product runs over the same k slots in the same order whatever the batch or T's padding;
 // the lower-triangular blocks above the diagonal are skipped by position (never by value), and what
 // stays multiplies exact zeros (Tm / P above the diagonal; the weighted u past the commit point,
@@ -33,7 +33,9 @@ namespace mma {
 
 // x = hi + lo, both TF32: hi rounded to nearest (ties away: add half an ulp of TF32, clear the low 13
 // bits), lo = x - hi (exact in FP32) truncated to TF32 (error <= 2^-10 |lo| <= 2^-21 |x|). Integer ops:
-// cvt.rna.tf32.f32 is a ~5-instruction emulation with NaN / overflow checks on sm_90.
+// cvt.rna.tf32.f32 is a multi-instruction emulation with NaN / overflow checks on sm_90. (ptxas hands
+// HMMA the unmasked registers where it can -- the tensor core ignores the low 13 bits -- so a split
+// costs ~3 instructions.)
 __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(__fsub_rn(x, __uint_as_float(hi))) & 0xffffe000u;
