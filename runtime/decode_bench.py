@@ -76,6 +76,7 @@ __all__ = [
     "DEFAULT_ACCEPTANCE",
     "EFFICIENCY_GATES",
     "OFFICIAL",
+    "Policy",
     "TINY",
     "BenchConfig",
     "acceptance_for_length",
@@ -269,6 +270,36 @@ def _block_drafter(target: TargetModel, seed: int) -> BlockDrafter:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """How joining requests enter the batch: ``prefill`` "overlap" (beside the rounds, on a low-priority
+    stream), "stall" (the requests in flight wait) or None (SpecDecoder's default: overlap on CUDA),
+    and the admission group (waiting requests join once this many slots are free)."""
+
+    prefill: str | None = None
+    join_group: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """``overlap`` | ``stall`` | ``default``, optionally ``:N`` for a join group of N (``stall:2``)."""
+        name, _, group = text.partition(":")
+        if name not in ("overlap", "stall", "default"):
+            raise ValueError(f"policy {text!r}: expected overlap, stall or default, optionally :N (e.g. stall:2)")
+        try:
+            jg = int(group) if group else 1
+        except ValueError:
+            raise ValueError(f"policy {text!r}: the join group after ':' must be an integer") from None
+        return cls(None if name == "default" else name, jg)
+
+    @property
+    def overlap(self) -> bool | None:
+        return None if self.prefill is None else self.prefill == "overlap"
+
+    @property
+    def label(self) -> str:
+        return (self.prefill or "default") + (f":{self.join_group}" if self.join_group != 1 else "")
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     prompts: int = 16
     prompt_len: int = 1024
@@ -287,12 +318,20 @@ class BenchConfig:
     overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (default on CUDA)
     sampled_drafts: bool = False  # block drafter: sampled requests' drafts drawn with q (default: argmax, DFlash's)
     prefill_sm_carveout: int | None = None  # SpecDecoder's: SMs the overlapped prefill's cuBLAS GEMMs leave free
+    # A/B of admission policies on one loaded target: every B > 1 runs each policy (B1 once: a lone
+    # request always prefills alone), `repeat` times, alternating; empty: the one policy above.
+    policies: tuple[Policy, ...] = ()
+    repeat: int = 1
 
-    def join_group_for(self, b: int) -> int:
+    def policy_list(self) -> tuple[Policy, ...]:
+        return self.policies or (Policy(None if self.overlap_prefill is None else
+                                        "overlap" if self.overlap_prefill else "stall", self.join_group),)
+
+    def join_group_for(self, b: int, policy: Policy | None = None) -> int:
         """SpecDecoder's admission group at batch size b (capped at b). Default 1, each request as
         soon as a slot frees: on the H200 (session 5) groups of B / 2 moved B4 / B8 by +1% / -1.5%
         once a 1K-token prefill took ~0.17 s, so the idle slots cost what the joint prefills save."""
-        return min(self.join_group, b)
+        return min(self.join_group if policy is None else policy.join_group, b)
 
     @property
     def synthetic_acceptance(self) -> bool:
@@ -313,10 +352,22 @@ class BenchConfig:
             raise ValueError(f"acceptance must be in [0, 1], got {self.acceptance}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
-        if isinstance(self.join_group, bool) or not isinstance(self.join_group, int) or self.join_group < 1:
-            raise ValueError(f"join_group must be an integer >= 1, got {self.join_group!r}")
+        for pol in self.policy_list():
+            jg = pol.join_group
+            if isinstance(jg, bool) or not isinstance(jg, int) or jg < 1:
+                raise ValueError(f"join_group must be an integer >= 1, got {jg!r}")
+            if pol.prefill not in (None, "overlap", "stall"):
+                raise ValueError(f"prefill must be overlap, stall or None, got {pol.prefill!r}")
+        if self.policies and (self.overlap_prefill is not None or self.join_group != 1):
+            raise ValueError("give either policies or overlap_prefill / join_group (--policies replaces "
+                             "--prefill and --join-group)")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies repeat: {[p.label for p in self.policies]}")
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"repeat must be an integer >= 1, got {self.repeat!r}")
         c = self.prefill_sm_carveout
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1 or self.overlap_prefill is False):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1
+                              or any(p.overlap is False for p in self.policy_list())):
             raise ValueError(f"prefill_sm_carveout must be an integer >= 1 (SMs) with overlapped prefill, got {c!r}")
         if self.max_len is not None and self.prompt_len + self.output_len > self.max_len:
             raise ValueError(f"prompt length {self.prompt_len} + {self.output_len} output tokens exceeds "
@@ -422,65 +473,81 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     rows: list[dict[str, Any]] = []
     dec_info: dict[str, Any] = {}
     b1_outputs: list[list[int]] | None = None
-    for b in cfg.batches:
-        dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b, max_len=max_len,
-                          num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False, sampler=cfg.sampler,
-                          join_group=cfg.join_group_for(b), overlap_prefill=cfg.overlap_prefill,
-                          prefill_sm_carveout=cfg.prefill_sm_carveout)
-        if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
-            dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
-        clock = _Clock()
-        dec.observer = clock
-        if target.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(target.device)
-        outs = dec.generate(prompts, params, cfg.output_len, seed=cfg.seed)
-        # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
-        dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
-        s = dec.stats.summary()
-        tokens = sum(len(o) for o in outs)
-        row: dict[str, Any] = {
-            "B": b,
-            "output_tok_s": tokens / dec.stats.wall_s,
-            "completed": sum(len(o) == cfg.output_len for o in outs),
-            "requests": cfg.prompts,
-            "join_group": dec.join_group,
-            "output_tokens": tokens,
-            "wall_s": dec.stats.wall_s,
-            "p50_ttft_ms": _median(clock.ttft_ms()),
-            "p50_tpot_ms": _median(clock.tpot_ms()),
-            "accepted_length": s["mean_acceptance_length"],
-            "rounds": s["rounds"],
-            "mean_batch": s["mean_batch"],
-            # every other request waits while a joining one prefills (unless overlapped): this share of
-            # the wall clock is what separates the efficiency from the per-round phases
-            "prefill_s": s["prefill_ms_total"] / 1e3,
-            # prefills run beside the rounds (overlap_prefill): their device time, contention included
-            "overlapped_prefill_s": s["overlapped_prefill_ms_total"] / 1e3,
-            "overlapped_prefills": s["overlapped_prefills"],
-            **{f"median_{p}_ms": s[f"median_{p}_ms"] for p in PHASE_NAMES},
-            "median_prefill_queue_ms": s["median_prefill_ms"],  # host time queuing overlapped layers
-            "output_0": outs[0],
-            **_memory(target),
-        }
-        # What the rounds alone explain (rounds x the sum of the phase medians) and what they leave:
-        # the prefills of joining requests (stalling or overlapped) and round-to-round spread.
-        round_ms = sum(row[f"median_{p}_ms"] for p in PHASE_NAMES)
-        rounds_s = s["rounds"] * round_ms / 1e3
-        row["round_ms"] = round_ms
-        row["outside_rounds_s"] = row["wall_s"] - rounds_s
-        row["rounds_tok_s"] = tokens / rounds_s if rounds_s > 0 else None
-        if b == 1:
-            b1_outputs = outs
-        row["same_as_b1"] = sum(o == r for o, r in zip(outs, b1_outputs, strict=True)) if b1_outputs else None
-        row["allreduce_ms_per_round"] = _allreduce_ms(target, b * (NUM_DRAFT + 1))
-        rows.append(row)
-        del dec, clock  # this B's decoder (states, graphs) goes before the next is built: a peak per B
-        if log:
-            log(f"B={b}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
-                f"{row['completed']}/{cfg.prompts} completed")
-        if on_row is not None:
-            on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
+    policies = cfg.policy_list()
+    many = len(policies) > 1 or cfg.repeat > 1
+    for run in range(cfg.repeat):
+        for b in cfg.batches:
+            # B1: a lone request always prefills alone, so every policy is the same schedule there
+            for pol in policies if b > 1 else policies[:1]:
+                dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b,
+                                  max_len=max_len, num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False,
+                                  sampler=cfg.sampler, join_group=cfg.join_group_for(b, pol),
+                                  overlap_prefill=pol.overlap, prefill_sm_carveout=cfg.prefill_sm_carveout)
+                row, outs = _measure(dec, target, cfg, prompts, params, b)
+                # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
+                dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
+                del dec  # this B's decoder (states, graphs) goes before the next is built: a peak per B
+                row["policy"], row["run"] = pol.label, run
+                if b == 1:
+                    b1_outputs = outs
+                row["same_as_b1"] = (sum(o == r for o, r in zip(outs, b1_outputs, strict=True))
+                                     if b1_outputs else None)
+                row["allreduce_ms_per_round"] = _allreduce_ms(target, b * (NUM_DRAFT + 1))
+                rows.append(row)
+                if log:
+                    tag = f" [{pol.label}, run {run + 1}/{cfg.repeat}]" if many else ""
+                    log(f"B={b}{tag}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
+                        f"{row['completed']}/{cfg.prompts} completed")
+                if on_row is not None:
+                    on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
     return _report(target, cfg, label, rows, dec_info, command, max_len)
+
+
+def _measure(dec: SpecDecoder, target: TargetModel, cfg: BenchConfig, prompts: list[list[int]],
+             params: list[SamplingParams], b: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """One decoder's measured run over every prompt: its report row (without the cross-row fields)
+    and the outputs."""
+    if cfg.warmup:  # first-call costs (allocations, lazy init, graph capture) stay out of the measured run
+        dec.generate(prompts[:b], params[:b], min(cfg.output_len, 2 * (NUM_DRAFT + 1)))
+    clock = _Clock()
+    dec.observer = clock
+    if target.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target.device)
+    outs = dec.generate(prompts, params, cfg.output_len, seed=cfg.seed)
+    s = dec.stats.summary()
+    tokens = sum(len(o) for o in outs)
+    row: dict[str, Any] = {
+        "B": b,
+        "output_tok_s": tokens / dec.stats.wall_s,
+        "completed": sum(len(o) == cfg.output_len for o in outs),
+        "requests": cfg.prompts,
+        "join_group": dec.join_group,
+        "output_tokens": tokens,
+        "wall_s": dec.stats.wall_s,
+        "p50_ttft_ms": _median(clock.ttft_ms()),
+        "p50_tpot_ms": _median(clock.tpot_ms()),
+        "accepted_length": s["mean_acceptance_length"],
+        "rounds": s["rounds"],
+        "mean_batch": s["mean_batch"],
+        # every other request waits while a joining one prefills (unless overlapped): this share of
+        # the wall clock is what separates the efficiency from the per-round phases
+        "prefill_s": s["prefill_ms_total"] / 1e3,
+        # prefills run beside the rounds (overlap_prefill): their device time, contention included
+        "overlapped_prefill_s": s["overlapped_prefill_ms_total"] / 1e3,
+        "overlapped_prefills": s["overlapped_prefills"],
+        **{f"median_{p}_ms": s[f"median_{p}_ms"] for p in PHASE_NAMES},
+        "median_prefill_queue_ms": s["median_prefill_ms"],  # host time queuing overlapped layers
+        "output_0": outs[0],
+        **_memory(target),
+    }
+    # What the rounds alone explain (rounds x the sum of the phase medians) and what they leave:
+    # the prefills of joining requests (stalling or overlapped) and round-to-round spread.
+    round_ms = sum(row[f"median_{p}_ms"] for p in PHASE_NAMES)
+    rounds_s = s["rounds"] * round_ms / 1e3
+    row["round_ms"] = round_ms
+    row["outside_rounds_s"] = row["wall_s"] - rounds_s
+    row["rounds_tok_s"] = tokens / rounds_s if rounds_s > 0 else None
+    return row, outs
 
 
 def _budget_text(budget: int | str | None) -> str:
@@ -500,9 +567,11 @@ def _memory(target: TargetModel) -> dict[str, float | None]:
 def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[str, Any]],
             dec_info: dict[str, Any], command: str, max_len: int) -> dict[str, Any]:
     """The report of the rows so far (ratios to B1 filled in place)."""
-    b1 = next((r["output_tok_s"] for r in rows if r["B"] == 1), None)
-    b1_rounds = next((r.get("rounds_tok_s") for r in rows if r["B"] == 1), None)
-    for r in rows:
+    for r in rows:  # against the B1 of the same run (repeats alternate: the nearest in time), else the first
+        ref = next((x for x in rows if x["B"] == 1 and x.get("run", 0) == r.get("run", 0)),
+                   next((x for x in rows if x["B"] == 1), None))
+        b1 = ref["output_tok_s"] if ref else None
+        b1_rounds = ref.get("rounds_tok_s") if ref else None
         r["vs_b1"] = r["output_tok_s"] / b1 if b1 else None
         r["ideal_efficiency"] = r["output_tok_s"] / (r["B"] * b1) if b1 else None
         # the same ratio from the rounds alone: what the efficiency would be if nothing outside the
@@ -549,9 +618,48 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
                    "sampling": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k},
                    "seed": cfg.seed, "max_len": max_len, "num_draft": NUM_DRAFT,
                    "model": tc.source, "layers": tc.num_hidden_layers, "device": target.device.type,
-                   "tp": tp, "graphs": dec_info.get("graphs"), "sampler": dec_info.get("sampler")},
+                   "tp": tp, "graphs": dec_info.get("graphs"), "sampler": dec_info.get("sampler"),
+                   "policies": [pol.label for pol in cfg.policy_list()], "repeat": cfg.repeat},
         "rows": rows,
+        "policy_summary": policy_summary(rows),
     }
+
+
+def policy_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (B, policy), over the runs: median / min / max tok/s and the median efficiencies and time
+    outside the rounds -- what an alternating A/B of admission policies compares."""
+    out = []
+    for key in dict.fromkeys((r["B"], r.get("policy", "default")) for r in rows):
+        group = [r for r in rows if (r["B"], r.get("policy", "default")) == key]
+        tok = [r["output_tok_s"] for r in group]
+
+        def med(k: str, group: list[dict[str, Any]] = group) -> float | None:
+            return _median([r[k] for r in group if r.get(k) is not None])
+
+        out.append({"B": key[0], "policy": key[1], "runs": len(group), "median_tok_s": statistics.median(tok),
+                    "min_tok_s": min(tok), "max_tok_s": max(tok), "median_ideal_efficiency": med("ideal_efficiency"),
+                    "median_rounds_efficiency": med("rounds_efficiency"),
+                    "median_outside_rounds_s": med("outside_rounds_s")})
+    return out
+
+
+def _many_runs(report: dict[str, Any]) -> bool:
+    """Whether the report holds more than one policy or run (an A/B): then its rows carry both."""
+    return len({(r.get("policy"), r.get("run", 0)) for r in report["rows"]}) > 1
+
+
+def format_policy_summary(report: dict[str, Any]) -> str:
+    summary = report.get("policy_summary") or policy_summary(report["rows"])
+    lines = ["| B | policy | runs | median tok/s | min - max tok/s | median ideal efficiency | "
+             "median rounds-only efficiency | median outside rounds |", "|" + "---|" * 8]
+    def pct(v: float | None) -> str:
+        return _fmt(None if v is None else 100 * v, ".1f", "%")
+
+    for s in summary:
+        lines.append(f"| {s['B']} | {s['policy']} | {s['runs']} | {s['median_tok_s']:.2f} | "
+                     f"{s['min_tok_s']:.2f} - {s['max_tok_s']:.2f} | {pct(s['median_ideal_efficiency'])} | "
+                     f"{pct(s['median_rounds_efficiency'])} | {_fmt(s['median_outside_rounds_s'], '.2f', ' s')} |")
+    return "\n".join(lines)
 
 
 def _fmt(v: float | None, spec: str, unit: str = "") -> str:
@@ -569,7 +677,9 @@ def _prefill_cell(r: dict[str, Any]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    cols = ["B", "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT", "p50 TPOT", "accepted length",
+    many = _many_runs(report)
+    cols = ["B", *(["policy", "run"] if many else []), "output tok/s", "vs B1", "ideal efficiency", "p50 TTFT",
+            "p50 TPOT", "accepted length",
             "completed", "target fwd", "sampling+state", "draft", "host", "prefill (share of wall)", "join group",
             "rounds-only efficiency", "outside rounds"]
     ar = any(r.get("allreduce_ms_per_round") is not None for r in report["rows"])
@@ -581,7 +691,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in report["rows"]:
         eff = None if r["ideal_efficiency"] is None else 100 * r["ideal_efficiency"]
-        cells = [str(r["B"]), f"{r['output_tok_s']:.2f}", _fmt(r["vs_b1"], ".3f", "x"), _fmt(eff, ".1f", "%"),
+        cells = [str(r["B"]), *([str(r.get("policy", "default")), str(r.get("run", 0) + 1)] if many else []),
+                 f"{r['output_tok_s']:.2f}", _fmt(r["vs_b1"], ".3f", "x"), _fmt(eff, ".1f", "%"),
                  _fmt(r["p50_ttft_ms"], ".2f", " ms"), _fmt(r["p50_tpot_ms"], ".2f", " ms"),
                  f"{r['accepted_length']:.2f}", f"{r['completed']}/{r['requests']}",
                  *(f"{r[f'median_{p}_ms']:.2f} ms" for p in PHASE_NAMES), _prefill_cell(r),
@@ -598,7 +709,13 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{format_table(report)}\n\n"
+    ab = ""
+    if _many_runs(report):
+        ab = ("## Policies\n\nEvery B > 1 ran each admission policy in turn, the runs alternating on one "
+              "loaded target (B1 once per run: a lone request prefills alone under any policy); each run's "
+              "efficiency is against the B1 of the same run.\n\n" + format_policy_summary(report) + "\n\n"
+              "## Runs\n\n")
+    return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{ab}{format_table(report)}\n\n"
             "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
             "prefill: total time spent prefilling joining requests while every request in flight waits, "
             "and its share of the run's wall clock; + overlapped: joiners prefilled on a low-priority side "
@@ -627,7 +744,10 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = report["rows"]
+    rows: list[dict[str, Any]] = []
+    for r in report["rows"]:  # an A/B report: the wall panel shows each B's first run (its first policy)
+        if all(r["B"] != x["B"] for x in rows):
+            rows.append(r)
     bs = [r["B"] for r in rows]
     x = list(range(len(rows)))
     fig, (wall, eff) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -649,11 +769,16 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     wall.set_ylabel("wall clock (s)")
     wall.set_title("where the wall clock goes")
     wall.legend(fontsize=7)
-    for key, name, style in (("ideal_efficiency", "ideal efficiency", "o-"),
-                             ("rounds_efficiency", "rounds only", "s--")):
-        pts = [(r["B"], 100 * r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            eff.plot(*zip(*pts, strict=True), style, label=name)
+    summary = report.get("policy_summary") or policy_summary(report["rows"])
+    labels = list(dict.fromkeys(sm["policy"] for sm in summary if sm["B"] > 1)) if _many_runs(report) else [None]
+    for pol in labels:
+        tag = f" ({pol}, median)" if pol is not None else ""
+        for key, name, style in (("median_ideal_efficiency", "ideal efficiency", "o-"),
+                                 ("median_rounds_efficiency", "rounds only", "s--")):
+            pts = [(sm["B"], 100 * sm[key]) for sm in summary
+                   if sm.get(key) is not None and (pol is None or sm["policy"] == pol or sm["B"] == 1)]
+            if pts:
+                eff.plot(*zip(*pts, strict=True), style, label=name + tag)
     eff.scatter(list(EFFICIENCY_GATES), [100 * g for g in EFFICIENCY_GATES.values()], marker="x", s=80,
                 color="red", zorder=3, label="gates")
     eff.set_xscale("log", base=2)
@@ -772,6 +897,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", choices=("overlap", "stall"), default=None,
                    help="joining requests: prefill beside the rounds of the requests in flight on a low-priority "
                         "stream (overlap, the default on CUDA) or while they wait (stall)")
+    p.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                   help="A/B admission policies on one loaded target: every B > 1 runs each in turn (B1 once); "
+                        "POLICY is overlap | stall | default, optionally :N for a join group of N (e.g. stall:2); "
+                        "replaces --prefill / --join-group")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the batches (and policies) N times, alternating; the report adds per-policy medians")
     p.add_argument("--prefill-sm-carveout", type=int, default=None, metavar="N",
                    help="overlapped prefill: its cuBLAS GEMMs target all but N SMs (torch's experimental cuBLAS SM "
                         "carveout), leaving them to the rounds' kernels; default: none")
@@ -846,7 +977,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                           args.acceptance, _params(args), args.seed, args.max_len, not args.no_warmup,
                           not args.no_synthetic_acceptance, not args.no_graphs, args.sampler,
                           args.join_group, None if args.prefill is None else args.prefill == "overlap",
-                          args.sampled_drafts, args.prefill_sm_carveout)
+                          args.sampled_drafts, args.prefill_sm_carveout,
+                          tuple(Policy.parse(x) for x in args.policies or ()), args.repeat)
         cfg.validate()  # before any checkpoint work
         if args.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {args.tp}")
@@ -898,6 +1030,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         if ctx.rank != 0:
             return 0
     print(report["header"])
+    if _many_runs(report):
+        print(format_policy_summary(report))
     print(format_table(report))
     if args.out:
         write_report(report, args.out)

@@ -266,3 +266,62 @@ def test_prefill_sm_carveout_config() -> None:
     for bad in (BenchConfig(prefill_sm_carveout=0), BenchConfig(prefill_sm_carveout=24, overlap_prefill=False)):
         with pytest.raises(ValueError, match="prefill_sm_carveout must be an integer >= 1"):
             bad.validate()
+
+
+def test_policy_parse() -> None:
+    from dflashgen.runtime.decode_bench import BenchConfig, Policy
+
+    assert Policy.parse("overlap") == Policy("overlap", 1) and Policy.parse("overlap").overlap is True
+    assert Policy.parse("stall:2") == Policy("stall", 2) and Policy.parse("stall:2").overlap is False
+    assert Policy.parse("default").overlap is None and Policy.parse("default:3").label == "default:3"
+    assert [Policy.parse(x).label for x in ("overlap", "stall:2", "default")] == ["overlap", "stall:2", "default"]
+    for bad, msg in (("fast", "expected overlap, stall or default"), ("stall:x", "must be an integer")):
+        with pytest.raises(ValueError, match=msg):
+            Policy.parse(bad)
+    # the single policy of the plain flags
+    assert BenchConfig(overlap_prefill=False, join_group=2).policy_list() == (Policy("stall", 2),)
+    assert BenchConfig().policy_list() == (Policy(None, 1),)
+    for cfg, msg in ((BenchConfig(policies=(Policy("stall", 0),)), "join_group must be"),
+                     (BenchConfig(policies=(Policy("stall"),), join_group=2), "either policies"),
+                     (BenchConfig(policies=(Policy("stall"), Policy("stall"))), "policies repeat"),
+                     (BenchConfig(repeat=0), "repeat must be"),
+                     (BenchConfig(policies=(Policy("overlap"), Policy("stall")), prefill_sm_carveout=8),
+                      "prefill_sm_carveout")):
+        with pytest.raises(ValueError, match=msg):
+            cfg.validate()
+
+
+def test_policy_ab_bench(tmp_path: Path, tiny_json: Path) -> None:
+    """--policies / --repeat: B1 once per run, every B > 1 once per policy per run, alternating; each
+    row's efficiency against its own run's B1; the summary's medians; greedy tokens the same under
+    every policy (admission order never changes a request's tokens)."""
+    rc, rep, _ = _bench(tmp_path, tiny_json, "--greedy", "--no-warmup", "--policies", "overlap", "stall:2",
+                        "--repeat", "2")
+    assert rc == 0
+    rows = rep["rows"]
+    assert [(r["B"], r["policy"], r["run"]) for r in rows] == [
+        (1, "overlap", 0), (2, "overlap", 0), (2, "stall:2", 0),
+        (1, "overlap", 1), (2, "overlap", 1), (2, "stall:2", 1)]
+    assert [r["join_group"] for r in rows] == [1, 1, 2, 1, 1, 2]
+    for r in rows:
+        b1 = next(x for x in rows if x["B"] == 1 and x["run"] == r["run"])
+        assert r["ideal_efficiency"] == pytest.approx(r["output_tok_s"] / (r["B"] * b1["output_tok_s"]))
+        assert r["completed"] == P and r["same_as_b1"] == P
+    assert rep["config"]["policies"] == ["overlap", "stall:2"] and rep["config"]["repeat"] == 2
+    summary = {(s["B"], s["policy"]): s for s in rep["policy_summary"]}
+    assert set(summary) == {(1, "overlap"), (2, "overlap"), (2, "stall:2")}
+    s = summary[(2, "stall:2")]
+    tok = [r["output_tok_s"] for r in rows if r["B"] == 2 and r["policy"] == "stall:2"]
+    assert s["runs"] == 2 and s["median_tok_s"] == pytest.approx(sum(tok) / 2)
+    assert (s["min_tok_s"], s["max_tok_s"]) == (min(tok), max(tok))
+    md = (tmp_path / "out" / "decode_bench.md").read_text()
+    assert "## Policies" in md and "| 2 | stall:2 | 2 |" in md and "| B | policy | run |" in md
+    assert (tmp_path / "out" / "decode_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_policies_replace_prefill_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main_decode_bench([str(tmp_path / "none"), "--policies", "stall", "--prefill", "overlap"])
+    assert rc == 2 and "either policies" in capsys.readouterr().err
+    rc = main_decode_bench([str(tmp_path / "none"), "--policies", "slow"])
+    assert rc == 2 and "expected overlap, stall or default" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
