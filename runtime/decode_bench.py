@@ -272,7 +272,7 @@ def _block_drafter(target: TargetModel, seed: int) -> BlockDrafter:
 @dataclass(frozen=True)
 class Policy:
     """How joining requests enter the batch: ``prefill`` "overlap" (beside the rounds, on a low-priority
-    stream), "stall" (the requests in flight wait) or None (SpecDecoder's default: overlap on CUDA),
+    stream), "stall" (the requests in flight wait) or None (SpecDecoder's default: stall),
     and the admission group (waiting requests join once this many slots are free)."""
 
     prefill: str | None = None
@@ -315,7 +315,7 @@ class BenchConfig:
     graphs: bool = True  # CUDA graphs for the target steps and the draft pass (on CUDA); False: eager
     sampler: str | None = None  # "compact" (the generated kernel, default on CUDA) or "dense"
     join_group: int = 1  # SpecDecoder's admission group (join_group_for)
-    overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (default on CUDA)
+    overlap_prefill: bool | None = None  # SpecDecoder's: joiners prefill beside the rounds (None: its default, stall)
     sampled_drafts: bool = False  # block drafter: sampled requests' drafts drawn with q (default: argmax, DFlash's)
     prefill_sm_carveout: int | None = None  # SpecDecoder's: SMs the overlapped prefill's cuBLAS GEMMs leave free
     # A/B of admission policies on one loaded target: every B > 1 runs each policy (B1 once: a lone
@@ -896,7 +896,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "prefill (default 1: each as soon as a slot frees)")
     p.add_argument("--prefill", choices=("overlap", "stall"), default=None,
                    help="joining requests: prefill beside the rounds of the requests in flight on a low-priority "
-                        "stream (overlap, the default on CUDA) or while they wait (stall)")
+                        "stream (overlap) or while they wait (stall, the default)")
     p.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
                    help="A/B admission policies on one loaded target: every B > 1 runs each in turn (B1 once); "
                         "POLICY is overlap | stall | default, optionally :N for a join group of N (e.g. stall:2); "
