@@ -9,7 +9,7 @@ B prompts, so no prefill runs beside the profiled rounds).
 Prints per B: wall ms per round, the kernels by total CUDA time (count per round), and the CPU ops
 by total CPU time. --trace writes a Chrome trace per B (gzip). --joiner: one more request waits,
 and request 0 stops after its first round, so the joiner's prefill runs on the side stream beside
-the profiled rounds (overlapped prefill, decode-bench's default): what it costs the rounds, and
+the profiled rounds (overlapped prefill, opt-in since session 36): what it costs the rounds, and
 (--trace) whether their kernels wait behind the prefill's; --prefill-sm-carveout as decode-bench's."""
 
 from __future__ import annotations
