@@ -711,10 +711,12 @@ def format_table(report: dict[str, Any]) -> str:
 def format_markdown(report: dict[str, Any]) -> str:
     ab = ""
     if _many_runs(report):
-        ab = ("## Policies\n\nEvery B > 1 ran each admission policy in turn, the runs alternating on one "
-              "loaded target (B1 once per run: a lone request prefills alone under any policy); each run's "
-              "efficiency is against the B1 of the same run.\n\n" + format_policy_summary(report) + "\n\n"
-              "## Runs\n\n")
+        several = len({r.get("policy") for r in report["rows"]}) > 1
+        how = ("Every B > 1 ran each admission policy in turn, the runs alternating on one loaded target (B1 "
+               "once per run: a lone request prefills alone under any policy)" if several else
+               "The batches ran in turn, once per run, on one loaded target")
+        ab = (f"## Medians over the runs\n\n{how}; each run's efficiency is against the B1 of the same run."
+              "\n\n" + format_policy_summary(report) + "\n\n## Runs\n\n")
     return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{ab}{format_table(report)}\n\n"
             "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
             "prefill: total time spent prefilling joining requests while every request in flight waits, "

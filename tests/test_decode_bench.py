@@ -315,7 +315,7 @@ def test_policy_ab_bench(tmp_path: Path, tiny_json: Path) -> None:
     assert s["runs"] == 2 and s["median_tok_s"] == pytest.approx(sum(tok) / 2)
     assert (s["min_tok_s"], s["max_tok_s"]) == (min(tok), max(tok))
     md = (tmp_path / "out" / "decode_bench.md").read_text()
-    assert "## Policies" in md and "| 2 | stall:2 | 2 |" in md and "| B | policy | run |" in md
+    assert "## Medians over the runs" in md and "| 2 | stall:2 | 2 |" in md and "| B | policy | run |" in md
     assert (tmp_path / "out" / "decode_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
