@@ -28,6 +28,12 @@ and state rollback run as in the real path, so their cost is real. Such reports 
 Every replay output carries the "replay drafter (synthetic acceptance ...)" label: the acceptance is
 synthetic, not a property of any drafter model.
 
+A/B runs: ``--policies overlap stall stall:2 --repeat 3`` keeps one loaded target and runs every B > 1
+under each admission policy in turn (B1 once per run), the whole set three times, alternating, so
+policies are compared on one machine and process (the host-side phases differ by up to ~1 ms per round
+from process to process); rows gain ``policy`` / ``run``, each run's efficiencies are against its own
+B1, and ``policy_summary`` holds the medians per (B, policy).
+
 Tensor parallel: under torchrun (WORLD_SIZE > 1) every rank loads its shard of the target (``--device
 cuda``: the generated kernels on cuda:LOCAL_RANK over NCCL; CPU: gloo, each rank's projection shards
 dequantized once into FP32 ``nn.Linear``), runs the identical benchmark loop in lockstep (the
@@ -652,6 +658,7 @@ def format_policy_summary(report: dict[str, Any]) -> str:
     summary = report.get("policy_summary") or policy_summary(report["rows"])
     lines = ["| B | policy | runs | median tok/s | min - max tok/s | median ideal efficiency | "
              "median rounds-only efficiency | median outside rounds |", "|" + "---|" * 8]
+
     def pct(v: float | None) -> str:
         return _fmt(None if v is None else 100 * v, ".1f", "%")
 
