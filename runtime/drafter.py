@@ -628,7 +628,10 @@ class StaticDFlashDrafter:
     @torch.no_grad()
     def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
         logits, slots = self.draft_logits(contexts)
-        logits = logits[torch.tensor(slots, device=logits.device)]
+        if slots != list(range(logits.shape[0])):  # the contexts' rows (idle slots out); none to pick when all run
+            # through pinned memory: a plain host tensor's copy would wait for the draft pass to finish, and
+            # the GPU then idles while the host prepares the verify round
+            logits = logits[tensor_on(slots, logits.device)]
         return _drafts(logits, [c.params for c in contexts], self.gen, self.sampled)
 
 

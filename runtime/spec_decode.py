@@ -689,8 +689,14 @@ class SpecDecoder:
             # the lowest free slots, so b is the active count except while requests drain).
             b = active[-1] + 1
             idx = torch.tensor(active, dtype=torch.long)
-            draft_all = torch.zeros(b, d, dtype=torch.long)
-            draft_all[idx] = drafts.to("cpu", torch.long)
+            if drafts.is_cuda and dev.type == "cuda":  # a device drafter's tokens stay there: no host round
+                draft_all = drafts.to(dev, torch.long)  # trip, so the GPU never waits for this round's prep
+                if active != list(range(b)):
+                    draft_all = torch.zeros(b, d, dtype=torch.long, device=dev).index_copy_(
+                        0, to_device(idx, dev), draft_all)
+            else:
+                draft_all = torch.zeros(b, d, dtype=torch.long)
+                draft_all[idx] = drafts.to("cpu", torch.long)
             pending = torch.zeros(b, 1, dtype=torch.long)
             base = torch.zeros(b, dtype=torch.long)
             row_params, steps = [greedy_pad] * b, [0] * b

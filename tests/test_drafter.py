@@ -285,6 +285,21 @@ def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, bloc
     assert [r.accepted for r in st] == [r.accepted for r in dec_e.stats.rounds]  # the same drafts accepted
 
 
+def test_static_drafter_with_idle_slots(model: TargetModel, block: BlockDrafter) -> None:
+    """Requests of different lengths drain unevenly, so rounds run with slot 1 busy and slot 0 idle
+    (the drafter picks the busy slots' rows of its batch-2 logits): greedy decoding still equals plain
+    decoding for every request."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(5, 40), _prompt(9, 41), _prompt(1, 42)]
+    lengths = [10, 4, 13]
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=32)
+    dec = SpecDecoder(model, static, max_batch=2, max_len=32, num_draft=static.num_draft)
+    assert dec.generate(prompts, GREEDY, lengths) == [plain_greedy(model, p, n) for p, n in
+                                                      zip(prompts, lengths, strict=True)]
+    assert any(r.batch == 1 for r in dec.stats.rounds) and dec.slot_log[-1][1] == 1  # the last joiner: slot 1
+
+
 def test_static_drafter_keeps_its_context_in_the_weight_dtype(model: TargetModel) -> None:
     """An FP16 drafter (what the CUDA benchmark runs) keeps its static context K/V in FP16 and scores the
     context with FP16 products: decoding stays lossless (greedy == plain decoding), and its drafts are
