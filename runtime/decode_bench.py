@@ -725,7 +725,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         ab = (f"## Medians over the runs\n\n{how}; each run's efficiency is against the B1 of the same run."
               "\n\n" + format_policy_summary(report) + "\n\n## Runs\n\n")
     return (f"# decode-bench\n\n{report['header']}\n\n```\n{report['command']}\n```\n\n{ab}{format_table(report)}\n\n"
-            "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host); "
+            "Phase columns: per-round medians (target forward, sampling + state rollback, draft, host; the "
+            "device phases from CUDA events, host from the CPU clock: on CUDA the host's preparation of a "
+            "round runs while the draft pass is still on the GPU, so the four can sum to more than a round); "
             "prefill: total time spent prefilling joining requests while every request in flight waits, "
             "and its share of the run's wall clock; + overlapped: joiners prefilled on a low-priority side "
             "stream beside the rounds (their device time, contention included; the others keep decoding); "
