@@ -32,7 +32,9 @@ A/B runs: ``--policies overlap stall stall:2 --repeat 3`` keeps one loaded targe
 under each admission policy in turn (B1 once per run), the whole set three times, alternating, so
 policies are compared on one machine and process (the host-side phases differ by up to ~1 ms per round
 from process to process); rows gain ``policy`` / ``run``, each run's efficiencies are against its own
-B1, and ``policy_summary`` holds the medians per (B, policy).
+B1, and ``policy_summary`` holds the medians per (B, policy). A policy's ``+serial`` / ``+pipelined``
+suffix sets SpecDecoder's round pipelining (``--policies default default+serial``); B1 then runs once
+per setting and each row's efficiency is against the B1 of its own setting.
 
 Tensor parallel: under torchrun (WORLD_SIZE > 1) every rank loads its shard of the target (``--device
 cuda``: the generated kernels on cuda:LOCAL_RANK over NCCL; CPU: gloo, each rank's projection shards
@@ -279,22 +281,29 @@ def _block_drafter(target: TargetModel, seed: int) -> BlockDrafter:
 class Policy:
     """How joining requests enter the batch: ``prefill`` "overlap" (beside the rounds, on a low-priority
     stream), "stall" (the requests in flight wait) or None (SpecDecoder's default: stall),
-    and the admission group (waiting requests join once this many slots are free)."""
+    and the admission group (waiting requests join once this many slots are free); and whether the
+    rounds are pipelined (SpecDecoder's ``pipeline``: True, False, None = its default)."""
 
     prefill: str | None = None
     join_group: int = 1
+    pipeline: bool | None = None
+
+    ROUNDS = {"pipelined": True, "serial": False}
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """``overlap`` | ``stall`` | ``default``, optionally ``:N`` for a join group of N (``stall:2``)."""
-        name, _, group = text.partition(":")
-        if name not in ("overlap", "stall", "default"):
-            raise ValueError(f"policy {text!r}: expected overlap, stall or default, optionally :N (e.g. stall:2)")
+        """``overlap`` | ``stall`` | ``default``, optionally ``:N`` for a join group of N (``stall:2``),
+        optionally ``+pipelined`` / ``+serial`` for the rounds (``stall+serial``)."""
+        head, plus, rounds = text.partition("+")
+        name, _, group = head.partition(":")
+        if name not in ("overlap", "stall", "default") or (plus and rounds not in cls.ROUNDS):
+            raise ValueError(f"policy {text!r}: expected overlap, stall or default, optionally :N (e.g. stall:2), "
+                             "optionally +pipelined or +serial")
         try:
             jg = int(group) if group else 1
         except ValueError:
             raise ValueError(f"policy {text!r}: the join group after ':' must be an integer") from None
-        return cls(None if name == "default" else name, jg)
+        return cls(None if name == "default" else name, jg, cls.ROUNDS[rounds] if plus else None)
 
     @property
     def overlap(self) -> bool | None:
@@ -302,7 +311,8 @@ class Policy:
 
     @property
     def label(self) -> str:
-        return (self.prefill or "default") + (f":{self.join_group}" if self.join_group != 1 else "")
+        rounds = "" if self.pipeline is None else "+pipelined" if self.pipeline else "+serial"
+        return (self.prefill or "default") + (f":{self.join_group}" if self.join_group != 1 else "") + rounds
 
 
 @dataclass(frozen=True)
@@ -483,17 +493,20 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
     many = len(policies) > 1 or cfg.repeat > 1
     for run in range(cfg.repeat):
         for b in cfg.batches:
-            # B1: a lone request always prefills alone, so every policy is the same schedule there
-            for pol in policies if b > 1 else policies[:1]:
+            # B1: a lone request always prefills alone, so the admission policies are one schedule
+            # there; it runs once per round pipelining (which does change it)
+            for pol in policies if b > 1 else _b1_policies(policies):
                 dec = SpecDecoder(target, _make_drafter(cfg, target, block, conts, b, max_len), max_batch=b,
                                   max_len=max_len, num_draft=NUM_DRAFT, graphs=None if cfg.graphs else False,
                                   sampler=cfg.sampler, join_group=cfg.join_group_for(b, pol),
-                                  overlap_prefill=pol.overlap, prefill_sm_carveout=cfg.prefill_sm_carveout)
+                                  overlap_prefill=pol.overlap, prefill_sm_carveout=cfg.prefill_sm_carveout,
+                                  pipeline=pol.pipeline)
                 row, outs = _measure(dec, target, cfg, prompts, params, b)
                 # after the run: a failed capture (graphs) or a missing kernel image (sampler) fell back
-                dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler}
+                dec_info = {"graphs": dec.steps.captured, "sampler": dec.sampler,
+                            "pipelined": sorted({*dec_info.get("pipelined", ()), dec.pipeline})}
+                row["policy"], row["run"], row["pipelined"] = pol.label, run, dec.pipeline
                 del dec  # this B's decoder (states, graphs) goes before the next is built: a peak per B
-                row["policy"], row["run"] = pol.label, run
                 if b == 1:
                     b1_outputs = outs
                 row["same_as_b1"] = (sum(o == r for o, r in zip(outs, b1_outputs, strict=True))
@@ -507,6 +520,14 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
                 if on_row is not None:
                     on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
     return _report(target, cfg, label, rows, dec_info, command, max_len)
+
+
+def _b1_policies(policies: Sequence[Policy]) -> list[Policy]:
+    """The policies B1 runs under: the first of each round pipelining setting."""
+    first: dict[bool | None, Policy] = {}
+    for p in policies:
+        first.setdefault(p.pipeline, p)
+    return list(first.values())
 
 
 def _measure(dec: SpecDecoder, target: TargetModel, cfg: BenchConfig, prompts: list[list[int]],
@@ -573,9 +594,11 @@ def _memory(target: TargetModel) -> dict[str, float | None]:
 def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[str, Any]],
             dec_info: dict[str, Any], command: str, max_len: int) -> dict[str, Any]:
     """The report of the rows so far (ratios to B1 filled in place)."""
-    for r in rows:  # against the B1 of the same run (repeats alternate: the nearest in time), else the first
-        ref = next((x for x in rows if x["B"] == 1 and x.get("run", 0) == r.get("run", 0)),
-                   next((x for x in rows if x["B"] == 1), None))
+    for r in rows:  # against the B1 of the same run (repeats alternate: the nearest in time) and round
+        # pipelining, else of the same run, else the first
+        b1s = [x for x in rows if x["B"] == 1]
+        ref = next((x for x in b1s if x.get("run", 0) == r.get("run", 0) and x.get("pipelined") == r.get("pipelined")),
+                   next((x for x in b1s if x.get("run", 0) == r.get("run", 0)), b1s[0] if b1s else None))
         b1 = ref["output_tok_s"] if ref else None
         b1_rounds = ref.get("rounds_tok_s") if ref else None
         r["vs_b1"] = r["output_tok_s"] / b1 if b1 else None
@@ -593,6 +616,9 @@ def _report(target: TargetModel, cfg: BenchConfig, label: str, rows: list[dict[s
               f"{where}; {cfg.prompts} prompts x {cfg.prompt_len} random tokens -> {cfg.output_len} "
               f"output tokens; q{NUM_DRAFT}; {sampling}; "
               f"{'CUDA graphs' if dec_info.get('graphs') else 'eager'}, {dec_info.get('sampler')} rejection sampling"
+              + {(True,): "; pipelined rounds (the next draft pass queued before the outcome is read)",
+                 (False,): "; serial rounds", (False, True): "; pipelined and serial rounds"
+                 }.get(tuple(dec_info.get("pipelined", ())), "")
               + (f"; overlapped prefill leaves {cfg.prefill_sm_carveout} SMs to the rounds (cuBLAS carveout)"
                  if cfg.prefill_sm_carveout else "")
               + f"; GDN prefill {os.environ.get('DFLASHGEN_GDN_PREFILL') or 'sequential'}"
@@ -910,8 +936,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "stream (overlap) or while they wait (stall, the default)")
     p.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
                    help="A/B admission policies on one loaded target: every B > 1 runs each in turn (B1 once); "
-                        "POLICY is overlap | stall | default, optionally :N for a join group of N (e.g. stall:2); "
-                        "replaces --prefill / --join-group")
+                        "POLICY is overlap | stall | default, optionally :N for a join group of N (e.g. stall:2), "
+                        "optionally +pipelined or +serial for the rounds (e.g. default+serial; B1 runs once per "
+                        "rounds setting); replaces --prefill / --join-group")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the batches (and policies) N times, alternating; the report adds per-policy medians")
     p.add_argument("--prefill-sm-carveout", type=int, default=None, metavar="N",

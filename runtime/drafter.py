@@ -525,6 +525,7 @@ class StaticDFlashDrafter:
         self.slot_of: dict[int, int] = {}
         self.gen = torch.Generator().manual_seed(seed)
         self._graphs: dict[int, tuple[Any, Tensor]] = {}
+        self._pre: tuple[int, Tensor] | None = None  # a prelaunched step: (batch, logits)
 
     # ------------------------------------------------------------------ decoder hooks
 
@@ -535,6 +536,29 @@ class StaticDFlashDrafter:
 
     def release(self, rid: int) -> None:
         self.slot_of.pop(rid, None)
+
+    @torch.no_grad()
+    def prelaunch(self, pending: Tensor) -> None:
+        """Queue the next round's step for slots ``[0, b)`` before the host has read this round's
+        outcome: ``pending`` ``[b]`` (device) is each slot's next pending token, the step appends the
+        round staged by ``observe_round`` as ``propose`` would. The next ``propose`` whose slots lie in
+        ``[0, b)`` takes these logits instead of running the step (the rows of slots that finished in
+        between are dropped); ``cancel`` (or any other ``propose``) discards them. Re-running the step
+        after a discarded prelaunch is harmless: the staged round is already appended (nothing new is
+        counted), and the positions it rewrites lie past the context length until the next round's
+        staging overwrites them."""
+        b = pending.shape[0]
+        self.block[:b, 0].copy_(pending)
+        if b in self._graphs:
+            g, out = self._graphs[b]
+            g.replay()
+        else:
+            out = self._step(b)
+        self._pre = (b, out)
+
+    def cancel(self) -> None:
+        """Drop a prelaunched step (its slots changed: a request joined)."""
+        self._pre = None
 
     def context_len(self, rid: int) -> int:
         """Context positions appended for ``rid`` (a staged round is appended by the next ``propose``)."""
@@ -617,6 +641,9 @@ class StaticDFlashDrafter:
     def draft_logits(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, list[int]]:
         slots = [self.slot_of[c.rid] for c in contexts]
         b = max(slots) + 1
+        pre, self._pre = self._pre, None
+        if pre is not None and b <= pre[0]:  # prelaunched with these slots' pending tokens (prelaunch)
+            return pre[1], slots
         tok = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long)
         self.block[tensor_on(slots, self.block.device), 0] = to_device(tok, self.block.device)
         if b in self._graphs:

@@ -209,7 +209,7 @@ class ReplayDrafter:
             # A drafter as the cost model (e.g. StaticDFlashDrafter): it sees the real target taps through
             # this drafter's hooks and runs its real forward every round; its drafts are discarded.
             self.needs_taps, self.taps = True, cost_model.taps  # type: ignore[union-attr]
-            for hook in ("observe", "release", "assign", "observe_round", "capture"):
+            for hook in ("observe", "release", "assign", "observe_round", "capture", "prelaunch", "cancel"):
                 if hasattr(cost_model, hook):
                     setattr(self, hook, getattr(cost_model, hook))
             if hasattr(cost_model, "propose"):
@@ -332,11 +332,32 @@ class _Timer:
 
     def flush(self) -> dict[str, float]:
         if self._events:
-            torch.cuda.synchronize()
+            for _, _, b in self._events:  # these events only: a prelaunched draft may still be running
+                b.synchronize()
             for phase, a, b in self._events:
                 self.ms[phase] = self.ms.get(phase, 0.0) + a.elapsed_time(b)
         ms, self.ms, self._events = self.ms, {}, []
         return ms
+
+
+class _HostCopy:
+    """A device tensor's copy into pinned host memory, queued now and waited for by ``wait`` (which
+    returns it as ``(column 0, columns 1..)``): work queued in between runs before the host blocks."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def wait(self) -> tuple[Tensor, Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:, 0], self.host[:, 1:]
 
 
 # --------------------------------------------------------------------------- overlapped prefill
@@ -464,7 +485,8 @@ class SpecDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter, max_batch: int, max_len: int, num_draft: int = 7,
                  *, state: DecodeState | None = None, graphs: bool | None = None,
                  sampler: str | None = None, join_group: int = 1, overlap_prefill: bool | None = None,
-                 prefill_layers_per_round: int | None = None, prefill_sm_carveout: int | None = None) -> None:
+                 prefill_layers_per_round: int | None = None, prefill_sm_carveout: int | None = None,
+                 pipeline: bool | None = None) -> None:
         """graphs: run the verify forward and the rollback as CUDA graphs captured per batch size
         1..max_batch (default: on a CUDA target without tensor parallelism); False runs the same
         steps eagerly (bitwise-identical). sampler: "compact" (the generated fused rejection-sampling
@@ -491,7 +513,17 @@ class SpecDecoder:
         many SMs (torch's experimental cuBLAS SM carveout), so the rounds' kernels find free SMs
         instead of waiting behind long GEMM CTAs; None (default): no carveout. Scheduling only: the
         same operations, but cuBLAS may pick another kernel for the smaller SM count, so prefill bits
-        can differ from an uncarved prefill (not from one another: the choice is per shape)."""
+        can differ from an uncarved prefill (not from one another: the choice is per shape).
+        pipeline: launch the next round's draft pass before the host reads a round's outcome (the
+        pending tokens and the staged context are on the device already), so the GPU drafts while
+        the host does the round's bookkeeping and prepares the next one instead of idling. Needs a
+        drafter with ``prelaunch`` / ``cancel`` (:class:`~.drafter.StaticDFlashDrafter`, or the replay
+        drafter over one) and no overlapped prefill. Skipped for a round after which a request may
+        reach its token limit while others wait (a join would need a fresh draft), and discarded if
+        a request joins anyway (EOS). Greedy outputs are unchanged; the draft pass may run at a
+        larger batch size than its requests need (rows of requests that just stopped ride along),
+        so a drafter whose rows are not batch-invariant can propose other tokens. Default (None):
+        on for a CUDA target whose drafter supports it."""
         if max_batch < 1 or max_len < 2 or num_draft < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2, num_draft >= 1; got {max_batch}, {max_len}, "
                              f"{num_draft}")
@@ -544,6 +576,14 @@ class SpecDecoder:
                              "has no torch._C._set_sm_carveout_experimental)")
         self.overlap = (_Overlap(target.device, prefill_layers_per_round, prefill_sm_carveout)
                         if overlap_prefill else None)
+        can_pipeline = hasattr(drafter, "prelaunch") and hasattr(drafter, "cancel")
+        if pipeline and not can_pipeline:
+            raise ValueError(f"pipeline needs a drafter with prelaunch / cancel (a static-slot DFlash drafter); "
+                             f"{type(drafter).__name__} has none")
+        if pipeline and overlap_prefill:
+            raise ValueError("pipeline and overlap_prefill exclude each other (an overlapped prefill's layers "
+                             "are queued between rounds)")
+        self.pipeline = bool(can_pipeline and not overlap_prefill and cuda) if pipeline is None else pipeline
         self.stats = Stats(getattr(drafter, "label", type(drafter).__name__), num_draft, self.synthetic_acceptance)
         self.errors: dict[int, str] = {}  # request index -> reason, from the last generate(strict=False)
         self.slot_log: list[tuple[int, int]] = []  # (request, slot) in admission order
@@ -639,6 +679,9 @@ class SpecDecoder:
         t_start = time.perf_counter()
         greedy_pad = SamplingParams(temperature=0.0)
         ov = self.overlap
+        if self.pipeline:
+            self.drafter.cancel()  # type: ignore[attr-defined]  # a failed call may have left one
+        prelaunched, carried = False, None
         while queue or any(r is not None for r in slots) or (ov is not None and ov.queue):
             joins = []
             loading = ov.reserved() if ov is not None else set()
@@ -671,7 +714,10 @@ class SpecDecoder:
                 if not any(r is not None for r in slots):
                     continue
 
-            timer = _Timer(dev)
+            if prelaunched and joins:  # its slots are not this round's: the joiners need their draft
+                self.drafter.cancel()  # type: ignore[attr-defined]
+            prelaunched = False
+            timer, carried = carried if carried is not None else _Timer(dev), None
             t0 = timer.start("host")
             active = [s for s in range(st.batch) if slots[s] is not None]
             ctx = [RequestContext(r.rid, tuple(r.tokens), r.prompt_len, r.params)
@@ -710,6 +756,8 @@ class SpecDecoder:
             if q is not None:  # empty slots: zero q is valid and ignored (they are greedy)
                 q_all = torch.zeros(b, d, q.shape[-1], dtype=q.dtype, device=dev)
                 q_all[to_device(idx, dev)] = q.to(dev)
+            live = torch.tensor([slots[s] is not None for s in range(b)])
+            live_dev, base_dev = to_device(live, dev), to_device(base, dev)
             forced = None
             if self.synthetic_acceptance:  # benchmark only: the drafter decides sampled rows' accepts
                 forced = torch.zeros(b, d, dtype=torch.bool)
@@ -732,25 +780,39 @@ class SpecDecoder:
             res = self._verify(draft_dev, logits, row_params, u, q_all, forced)
             # TP: rank 0's verify outcome decides on every rank (module docstring).
             outcome = broadcast_from_first(torch.cat([res.accepted[:, None], res.tokens], dim=1), self.tp_group)
-            accepted_t, tokens_t = outcome[:, 0].cpu(), outcome[:, 1:].cpu()
-            if ov is not None:
-                ov.retired.clear()  # the round stream is past their copies (synchronised just above)
-            # Keep the pending token + the accepted drafts; the new token becomes pending.
-            keep = torch.where(torch.tensor([slots[s] is not None for s in range(b)]), 1 + accepted_t, 0)
-            self.steps.rollback(b, to_device(base + keep, dev))
+            # Keep the pending token + the accepted drafts; the new token becomes pending. Computed on
+            # the device, so the rollback (and the drafter's staging) are queued before the host waits.
+            keep_dev = torch.where(live_dev, 1 + outcome[:, 0], 0)
+            self.steps.rollback(b, base_dev + keep_dev)
             timer.stop("sample", t0)
 
+            fused = None
             if self.tap_drafter is not None:  # the kept positions: pending token + accepted drafts
                 t0 = timer.start("draft")
                 fused = _fuse(hidden, self.tap_drafter.taps)
                 if hasattr(self.tap_drafter, "observe_round"):  # static slots: one staged copy
-                    self.tap_drafter.observe_round(fused, to_device(base, dev), to_device(keep, dev))
-                else:
-                    keep_l = keep.tolist()
-                    for s in active:
-                        r = slots[s]
-                        assert r is not None
-                        self.tap_drafter.observe(r.rid, int(base[s]), fused[s, :keep_l[s]])
+                    self.tap_drafter.observe_round(fused, base_dev, keep_dev)
+                    fused = None
+                timer.stop("draft", t0)
+            outcome_host = _HostCopy(outcome)
+            if self._may_prelaunch(slots, active, queue):
+                # the next round's draft pass runs while the host reads this outcome and does the
+                # round's bookkeeping (its time is the next round's draft phase)
+                carried = _Timer(dev)
+                t0 = carried.start("draft")
+                self.drafter.prelaunch(outcome[:, 1:].gather(1, outcome[:, :1])[:, 0])  # type: ignore[attr-defined]
+                carried.stop("draft", t0)
+                prelaunched = True
+            accepted_t, tokens_t = outcome_host.wait()
+            if ov is not None:
+                ov.retired.clear()  # the round stream is past their copies (synchronised just above)
+            if fused is not None:  # a per-request tap drafter: observes on the host's schedule
+                t0 = timer.start("draft")
+                keep_l = torch.where(live, 1 + accepted_t, 0).tolist()
+                for s in active:
+                    r = slots[s]
+                    assert r is not None
+                    self.tap_drafter.observe(r.rid, int(base[s]), fused[s, :keep_l[s]])  # type: ignore[union-attr]
                 timer.stop("draft", t0)
 
             t0 = timer.start("host")
@@ -777,8 +839,20 @@ class SpecDecoder:
                     st.reset(s)  # frees the slot; the next admission reuses it
             timer.stop("host", t0)
             self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush(), rids))
+        if prelaunched:  # a request stopped early (EOS): nothing follows the last prelaunch
+            self.drafter.cancel()  # type: ignore[attr-defined]
         self.stats.wall_s = time.perf_counter() - t_start
         return [out.get(i, []) for i in range(len(prompts))]
+
+    def _may_prelaunch(self, slots: list[_Request | None], active: list[int], queue: deque) -> bool:
+        """Whether to prelaunch the next round's draft pass (``pipeline``): not if a request may reach
+        its token limit in this round while others wait (its slot would be refilled, and a joiner
+        needs a draft of its own), nor if every request may (nothing may follow)."""
+        if not self.pipeline:
+            return False
+        reqs = [r for r in (slots[s] for s in active) if r is not None]
+        ending = [len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new for r in reqs]
+        return not all(ending) and not (queue and any(ending))
 
     def _verify(self, drafts: Tensor, logits: Tensor, params: list[SamplingParams], u: Uniforms,
                 q: Tensor | None, forced: Tensor | None) -> VerifyResult:

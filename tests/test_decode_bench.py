@@ -275,7 +275,11 @@ def test_policy_parse() -> None:
     assert Policy.parse("stall:2") == Policy("stall", 2) and Policy.parse("stall:2").overlap is False
     assert Policy.parse("default").overlap is None and Policy.parse("default:3").label == "default:3"
     assert [Policy.parse(x).label for x in ("overlap", "stall:2", "default")] == ["overlap", "stall:2", "default"]
-    for bad, msg in (("fast", "expected overlap, stall or default"), ("stall:x", "must be an integer")):
+    assert Policy.parse("stall:2+serial") == Policy("stall", 2, False) and Policy.parse("default+pipelined").pipeline
+    assert [Policy.parse(x).label for x in ("default+serial", "overlap:3+pipelined")] == [
+        "default+serial", "overlap:3+pipelined"]
+    for bad, msg in (("fast", "expected overlap, stall or default"), ("stall:x", "must be an integer"),
+                     ("stall+fast", r"\+pipelined or \+serial"), ("stall+", r"\+pipelined or \+serial")):
         with pytest.raises(ValueError, match=msg):
             Policy.parse(bad)
     # the single policy of the plain flags
@@ -317,6 +321,23 @@ def test_policy_ab_bench(tmp_path: Path, tiny_json: Path) -> None:
     md = (tmp_path / "out" / "decode_bench.md").read_text()
     assert "## Medians over the runs" in md and "| 2 | stall:2 | 2 |" in md and "| B | policy | run |" in md
     assert (tmp_path / "out" / "decode_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_policy_ab_of_round_pipelining(tmp_path: Path, tiny_json: Path) -> None:
+    """A ``+serial`` policy beside the default: B1 runs once per rounds setting, rows say whether their
+    rounds were pipelined (never on the CPU, where the default is off), each row's efficiency is
+    against the first B1 of its run with the same pipelining, and greedy tokens are the same everywhere."""
+    rc, rep, _ = _bench(tmp_path, tiny_json, "--greedy", "--no-warmup", "--policies", "default", "stall+serial")
+    assert rc == 0
+    rows = rep["rows"]
+    assert [(r["B"], r["policy"]) for r in rows] == [
+        (1, "default"), (1, "stall+serial"), (2, "default"), (2, "stall+serial")]
+    assert [r["pipelined"] for r in rows] == [False] * 4
+    for r in rows[2:]:
+        b1 = rows[0]  # both serial here
+        assert r["ideal_efficiency"] == pytest.approx(r["output_tok_s"] / (2 * b1["output_tok_s"]))
+        assert r["completed"] == P and r["same_as_b1"] == P
+    assert "; serial rounds" in rep["header"]
 
 
 def test_policies_replace_prefill_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -300,6 +300,94 @@ def test_static_drafter_with_idle_slots(model: TargetModel, block: BlockDrafter)
     assert any(r.batch == 1 for r in dec.stats.rounds) and dec.slot_log[-1][1] == 1  # the last joiner: slot 1
 
 
+class _Counting:
+    """Counts a static drafter's prelaunches and cancels (the pipelined decoder's hooks)."""
+
+    def __init__(self, static) -> None:  # noqa: ANN001
+        self.prelaunches = self.cancels = 0
+        pre, cancel = static.prelaunch, static.cancel
+
+        def prelaunch(pending: torch.Tensor) -> None:
+            self.prelaunches += 1
+            pre(pending)
+
+        def counted_cancel() -> None:
+            self.cancels += static._pre is not None  # a prelaunched pass discarded
+            cancel()
+
+        static.prelaunch, static.cancel = prelaunch, counted_cancel
+
+
+def _pipelined_pair(model: TargetModel, block: BlockDrafter, make, prompts, params, max_new, eos=None):  # noqa: ANN001
+    """The same requests decoded with serial and pipelined rounds: (outputs, accepted per request) each,
+    and the pipelined run's prelaunch counter."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    runs, counter = [], None
+    for pipeline in (False, True):
+        static = StaticDFlashDrafter(block, max_batch=2, max_len=40)
+        counter = _Counting(static) if pipeline else counter
+        drafter = make(static)
+        dec = SpecDecoder(model, drafter, max_batch=2, max_len=40, num_draft=static.num_draft, pipeline=pipeline)
+        assert dec.pipeline is pipeline
+        out = dec.generate(prompts, params, max_new, eos=eos, seed=5)
+        runs.append((out, sorted((r.rids[i], a) for r in dec.stats.rounds for i, a in enumerate(r.accepted))))
+        assert not static.slot_of and static._pre is None  # every request released, no prelaunch left over
+    return runs, counter
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["dflash", "replay"])
+def test_pipelined_rounds_equal_serial_rounds(model: TargetModel, block: BlockDrafter, replay: bool) -> None:
+    """pipeline=True launches the next round's draft pass from the device-side outcome before the
+    host reads it: the drafter sees the same pending tokens and contexts, so greedy outputs equal plain
+    decoding and the drafts accepted per request equal the serial rounds' (requests of different
+    lengths: rounds with an idle slot, joins skipped around finishes); seeded sampled requests emit the
+    same tokens."""
+    prompts = [_prompt(5, 40), _prompt(9, 41), _prompt(1, 42)]
+    lengths = [14, 4, 17]
+    oracle = [plain_greedy(model, p, n + 7) for p, n in zip(prompts, lengths, strict=True)]
+
+    def make(static):  # noqa: ANN001, ANN202
+        return ReplayDrafter(oracle, 0.6, cost_model=static) if replay else static
+
+    runs, counter = _pipelined_pair(model, block, make, prompts, GREEDY, lengths)
+    assert runs[0] == runs[1]
+    assert runs[1][0] == [o[:n] for o, n in zip(oracle, lengths, strict=True)]
+    assert counter.prelaunches > 0
+    sampled = [SamplingParams(temperature=0.9, top_k=20, seed=3 + i) for i in range(3)]
+    runs, _ = _pipelined_pair(model, block, make, prompts, sampled, lengths)
+    assert runs[0] == runs[1]
+
+
+def test_pipelined_rounds_cancel_a_prelaunch_when_eos_admits_a_joiner(model: TargetModel, block: BlockDrafter) -> None:
+    """A request stopping at EOS (not foreseeable from token counts) frees its slot after its next
+    draft pass was prelaunched: the joiner's admission cancels it and the round drafts afresh, with the
+    same outputs as serial rounds."""
+    prompts = [_prompt(5, 40), _prompt(9, 41), _prompt(1, 42), _prompt(4, 43)]
+    first = plain_greedy(model, prompts[0], 20)
+    eos = first[9]  # request 0 stops there (the others wherever that token comes up, or at 20)
+    runs, counter = _pipelined_pair(model, block, lambda s: s, prompts, GREEDY, 20, eos=eos)
+    assert runs[0] == runs[1]
+    assert runs[1][0][0] == first[:first.index(eos) + 1]
+    assert counter.prelaunches > 0 and counter.cancels > 0
+    runs, counter = _pipelined_pair(model, block, lambda s: s, prompts, GREEDY, 20)  # no EOS: all foreseen
+    assert runs[0] == runs[1] and counter.prelaunches > 0 and counter.cancels == 0
+
+
+def test_pipeline_needs_a_prelaunching_drafter(model: TargetModel, block: BlockDrafter) -> None:
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+    from dflashgen.runtime.spec_decode import NgramDrafter
+
+    with pytest.raises(ValueError, match="prelaunch"):
+        SpecDecoder(model, NgramDrafter(), max_batch=2, max_len=40, pipeline=True)
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=40)
+    with pytest.raises(ValueError, match="exclude each other"):
+        SpecDecoder(model, static, max_batch=2, max_len=40, num_draft=static.num_draft, pipeline=True,
+                    overlap_prefill=True)
+    # the default: on for CUDA targets only (nothing to overlap with on the CPU)
+    assert SpecDecoder(model, static, max_batch=2, max_len=40, num_draft=static.num_draft).pipeline is False
+
+
 def test_static_drafter_keeps_its_context_in_the_weight_dtype(model: TargetModel) -> None:
     """An FP16 drafter (what the CUDA benchmark runs) keeps its static context K/V in FP16 and scores the
     context with FP16 products: decoding stays lossless (greedy == plain decoding), and its drafts are

@@ -228,6 +228,40 @@ def test_overlapped_prefill_equals_stalling(target) -> None:
         assert outs[0] == outs[1]
 
 
+def test_pipelined_rounds_equal_serial(target) -> None:
+    """pipeline=True (the CUDA default with a static-slot drafter) queues the next round's draft graph
+    before the host reads the outcome: the same tokens as serial rounds, bit for bit, for greedy
+    requests with the DFlash drafter and for the benchmark's replay drafter over it (sampled requests,
+    synthetic acceptance: seeded uniforms per request step), with staggered finishes and joins."""
+    from dflashgen.runtime.decode_bench import _block_drafter
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+    from dflashgen.runtime.sampling import SamplingParams
+    from dflashgen.runtime.spec_decode import ReplayDrafter, SpecDecoder
+
+    block = _block_drafter(target, 0)
+    prompts = _prompts(9, 40, target.cfg.vocab_size)
+    max_new = [8, 30, 16, 24, 12, 30, 9, 20, 14]
+    g = torch.Generator().manual_seed(1)
+    conts = [torch.randint(0, target.cfg.vocab_size, (40,), generator=g).tolist() for _ in prompts]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=i) for i in range(9)]
+    cases = ((lambda s: s, [SamplingParams(temperature=0.0)] * 9),
+             (lambda s: ReplayDrafter(conts, 0.8, cost_model=s, synthetic_acceptance=True), sampled))
+    for make, params in cases:
+        outs, prelaunches = [], []
+        for pipeline in (None, False):
+            static = StaticDFlashDrafter(block, 4, 96)
+            count = [0]
+            pre = static.prelaunch
+            static.prelaunch = lambda p, pre=pre, count=count: (count.__setitem__(0, count[0] + 1), pre(p))[1]
+            dec = SpecDecoder(target, make(static), max_batch=4, max_len=96, pipeline=pipeline)
+            assert dec.pipeline is (pipeline is None)
+            outs.append(dec.generate(prompts, params, max_new, seed=3))
+            prelaunches.append(count[0])
+            assert not static.slot_of and static._pre is None
+        assert prelaunches[0] > 0 and prelaunches[1] == 0
+        assert outs[0] == outs[1] and [len(o) for o in outs[0]] == max_new
+
+
 def test_greedy_identical_across_batches_and_plain(target) -> None:
     from dflashgen.runtime import gdn_kernel
     from dflashgen.runtime.sampling import SamplingParams
