@@ -34,6 +34,16 @@ captured per batch size (:class:`~.graphs.DecodeGraphs`), as does a static-slot 
 rejection kernel on CUDA (``sampler="compact"``, :mod:`~.rejection`), the dense torch path on CPU or
 with ``sampler="dense"``; both consume the same uniforms and give the same tokens.
 
+Pipelined rounds (``pipeline``, default on for a CUDA target with a drafter that has ``prelaunch``):
+the host reads a round's outcome only after queueing everything that follows from it on the device --
+the rollback to ``base + kept`` (kept counts computed on the device), the drafter's staging of the
+kept positions and the next round's draft pass, whose pending tokens are each row's last emitted
+token -- so the GPU drafts while the host appends tokens, checks stops and prepares the next verify.
+A round after which a request may reach its token limit while others wait is not prelaunched (its
+slot would be refilled, and a joiner needs a draft of its own), and an EOS that admits a joiner
+anyway discards the prelaunched pass. The draft pass may then run at a larger batch than needed
+(rows of requests that just stopped ride along); greedy outputs are unchanged.
+
 Synthetic acceptance (benchmark only): a drafter with ``synthetic_acceptance = True`` (the
 :class:`ReplayDrafter` option) supplies ``accept_decisions(contexts) -> [B, D] bool`` each round, and
 verification uses them instead of the sampled rows' accept test (``verify(..., accept_override=)``);
