@@ -516,7 +516,8 @@ def run_decode_bench(target: TargetModel, cfg: BenchConfig, *, command: str = ""
                 if log:
                     tag = f" [{pol.label}, run {run + 1}/{cfg.repeat}]" if many else ""
                     log(f"B={b}{tag}: {row['output_tok_s']:.2f} tok/s, accepted length {row['accepted_length']:.2f}, "
-                        f"{row['completed']}/{cfg.prompts} completed")
+                        f"{row['completed']}/{cfg.prompts} completed"
+                        + (f", {row['prelaunched_share']:.0%} of rounds pipelined" if row["pipelined"] else ""))
                 if on_row is not None:
                     on_row(_report(target, cfg, label, rows, dec_info, command, max_len))
     return _report(target, cfg, label, rows, dec_info, command, max_len)
@@ -556,6 +557,8 @@ def _measure(dec: SpecDecoder, target: TargetModel, cfg: BenchConfig, prompts: l
         "accepted_length": s["mean_acceptance_length"],
         "rounds": s["rounds"],
         "mean_batch": s["mean_batch"],
+        # rounds whose draft pass was queued during the previous round (SpecDecoder.pipeline)
+        "prelaunched_share": s["prelaunched_rounds"] / s["rounds"] if s["rounds"] else 0.0,
         # every other request waits while a joining one prefills (unless overlapped): this share of
         # the wall clock is what separates the efficiency from the per-round phases
         "prefill_s": s["prefill_ms_total"] / 1e3,

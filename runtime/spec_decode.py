@@ -270,6 +270,7 @@ class RoundStats:
     emitted: int  # tokens appended to outputs (after cuts)
     ms: dict[str, float]  # phase -> milliseconds
     rids: list[int] = field(default_factory=list)  # request of each ``accepted`` entry
+    prelaunched: bool = False  # its draft pass was queued during the previous round (``pipeline``)
 
 
 @dataclass
@@ -299,6 +300,7 @@ class Stats:
             # DFlash's "acceptance length": tokens per request-round incl. the recovered/bonus token.
             "mean_acceptance_length": statistics.fmean(acc) + 1 if acc else 0.0,
             "mean_batch": statistics.fmean(r.batch for r in self.rounds) if self.rounds else 0.0,
+            "prelaunched_rounds": sum(r.prelaunched for r in self.rounds),
             "prefill_ms_total": sum(self.prefill_ms),
             "overlapped_prefill_ms_total": sum(self.overlapped_prefill_ms),
             "overlapped_prefills": len(self.overlapped_prefill_ms),
@@ -726,7 +728,7 @@ class SpecDecoder:
 
             if prelaunched and joins:  # its slots are not this round's: the joiners need their draft
                 self.drafter.cancel()  # type: ignore[attr-defined]
-            prelaunched = False
+            pre_used, prelaunched = prelaunched and not joins, False
             timer, carried = carried if carried is not None else _Timer(dev), None
             t0 = timer.start("host")
             active = [s for s in range(st.batch) if slots[s] is not None]
@@ -848,7 +850,7 @@ class SpecDecoder:
                     slots[s] = None
                     st.reset(s)  # frees the slot; the next admission reuses it
             timer.stop("host", t0)
-            self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush(), rids))
+            self.stats.rounds.append(RoundStats(len(active), accepted, emitted, timer.flush(), rids, pre_used))
         if prelaunched:  # a request stopped early (EOS): nothing follows the last prelaunch
             self.drafter.cancel()  # type: ignore[attr-defined]
         self.stats.wall_s = time.perf_counter() - t_start

@@ -333,6 +333,9 @@ def _pipelined_pair(model: TargetModel, block: BlockDrafter, make, prompts, para
         out = dec.generate(prompts, params, max_new, eos=eos, seed=5)
         runs.append((out, sorted((r.rids[i], a) for r in dec.stats.rounds for i, a in enumerate(r.accepted))))
         assert not static.slot_of and static._pre is None  # every request released, no prelaunch left over
+        # the rounds that drafted from a prelaunch: every prelaunch not discarded
+        used = counter.prelaunches - counter.cancels if pipeline else 0
+        assert dec.stats.summary()["prelaunched_rounds"] == used
     return runs, counter
 
 
