@@ -150,6 +150,29 @@ def _lin(k: int, n: int, device: torch.device | str, dtype: torch.dtype) -> torc
     return torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
 
 
+def _share_rows(mods: Sequence[torch.nn.Linear]) -> Tensor:
+    """One ``[sum N, K]`` weight whose consecutive row blocks become ``mods``' weights (views): the
+    forward runs projections of one input as one GEMM, while loading or reseeding in place keeps the
+    checkpoint names. Moving the modules (``.to``) breaks the sharing; :func:`_rows_of` then says no."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(w[off:off + n], requires_grad=m.weight.requires_grad)
+        off += n
+    return w
+
+
+def _rows_of(w: Tensor, mods: Sequence[torch.nn.Linear]) -> bool:
+    """Whether ``mods``' weights are still the consecutive row blocks of ``w`` (see :func:`_share_rows`)."""
+    ptr, step = w.data_ptr(), w.stride(0) * w.element_size()
+    for m in mods:
+        if m.weight.data_ptr() != ptr or m.weight.device != w.device:
+            return False
+        ptr += m.weight.shape[0] * step
+    return True
+
+
 class _Norm(torch.nn.Module):
     def __init__(self, n: int, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -203,6 +226,11 @@ class BlockDrafter(torch.nn.Module):
         self.hidden_norm = _Norm(h, device, dtype)
         self.layers = torch.nn.ModuleList(_Layer(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.norm = _Norm(h, device, dtype)
+        # per layer: q|k|v and gate|up as one weight each (one GEMM, one input cast per group);
+        # fused_projections=False runs them one by one (same weights; GEMM shapes round differently)
+        self._fused = [(_share_rows((la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj)),
+                        _share_rows((la.mlp.gate_proj, la.mlp.up_proj))) for la in self._layers()]
+        self.fused_projections = True
         self.reseed(seed)
 
     @classmethod
@@ -240,6 +268,24 @@ class BlockDrafter(torch.nn.Module):
     def _lin(self, m: torch.nn.Linear, x: Tensor) -> Tensor:
         return m(x.to(m.weight.dtype)).float()
 
+    def _lins(self, li: int, group: int, mods: Sequence[torch.nn.Linear], x: Tensor,
+              rows: slice = slice(None)) -> tuple[Tensor, ...]:
+        """``mods`` (all of one input) applied to ``x``: one GEMM over layer ``li``'s shared weight
+        ``group`` (0: q|k|v, 1: gate|up; ``rows``: a sub-range of its blocks) where the sharing holds
+        and ``fused_projections`` is on, else one GEMM each."""
+        w = self._fused[li][group]
+        if self.fused_projections and _rows_of(w[rows], mods):
+            y = F.linear(x.to(w.dtype), w[rows]).float()
+            return y.split([m.weight.shape[0] for m in mods], dim=-1)
+        return tuple(self._lin(m, x) for m in mods)
+
+    def _mlp(self, li: int, layer: Any, h: Tensor) -> Tensor:
+        """The residual stream after layer ``li``'s post-attention norm and SwiGLU MLP."""
+        y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), self.cfg.rms_norm_eps)
+        mlp = layer.mlp
+        gate, up = self._lins(li, 1, (mlp.gate_proj, mlp.up_proj), y)
+        return h + self._lin(mlp.down_proj, F.silu(gate) * up)
+
     def _rope_tables(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [..., N, 1, D] (FP32) of absolute positions pos [..., N]: full-width rotary (Qwen3),
         made once per forward and shared by every layer's q and k (:func:`_rope`)."""
@@ -266,11 +312,13 @@ class BlockDrafter(torch.nn.Module):
         fused = _rms_norm(self._lin(self.fc, hidden.float()), self.hidden_norm.weight.float(), cfg.rms_norm_eps)
         rope = self._rope_tables(positions)
         out: KV = []
-        for layer in self._layers():
+        kv_rows = slice(cfg.num_heads * cfg.head_dim, None)  # k|v: the shared weight's rows after q
+        for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            k = self._lin(att.k_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            k = _rope(_rms_norm(k, att.k_norm.weight.float(), cfg.rms_norm_eps), rope)
-            out.append((k, self._lin(att.v_proj, fused).view(-1, cfg.num_kv_heads, cfg.head_dim)))
+            k, v = self._lins(li, 0, (att.k_proj, att.v_proj), fused, kv_rows)
+            k = _rope(_rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), att.k_norm.weight.float(),
+                                cfg.rms_norm_eps), rope)
+            out.append((k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
     @torch.no_grad()
@@ -285,7 +333,7 @@ class BlockDrafter(torch.nn.Module):
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            q, k, v = self._block_qkv(layer, h, rope)
+            q, k, v = self._block_qkv(li, layer, h, rope)
             o = torch.empty(b, s, nh, d, device=x.device)
             for r in range(b):  # per request over its own context: batch composition cannot change its math
                 kc, vc = context[r][li]
@@ -294,22 +342,20 @@ class BlockDrafter(torch.nn.Module):
                 qr = q[r].view(s, nkv, nh // nkv, d).permute(1, 2, 0, 3)  # [Hkv, G, S, D]
                 p = ((qr @ kr.transpose(-1, -2)) * d**-0.5).softmax(-1)  # no mask: non-causal block
                 o[r] = (p @ vr).permute(2, 0, 1, 3).reshape(s, nh, d)
-            h = h + self._lin(att.o_proj, o.reshape(b, s, nh * d))
-            y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
-            mlp = layer.mlp
-            h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
+            h = self._mlp(li, layer, h + self._lin(att.o_proj, o.reshape(b, s, nh * d)))
         return _rms_norm(h, self.norm.weight.float(), eps)
 
-    def _block_qkv(self, layer: Any, h: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """One drafter layer's normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block (rope:
+    def _block_qkv(self, li: int, layer: Any, h: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Drafter layer ``li``'s normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block (rope:
         the block positions' tables)."""
         cfg, (b, s, _) = self.cfg, h.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         att = layer.self_attn
         y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
-        q = _rope(_rms_norm(self._lin(att.q_proj, y).view(b, s, nh, d), att.q_norm.weight.float(), eps), rope)
-        k = _rope(_rms_norm(self._lin(att.k_proj, y).view(b, s, nkv, d), att.k_norm.weight.float(), eps), rope)
-        return q, k, self._lin(att.v_proj, y).view(b, s, nkv, d)
+        q, k, v = self._lins(li, 0, (att.q_proj, att.k_proj, att.v_proj), y)
+        q = _rope(_rms_norm(q.view(b, s, nh, d), att.q_norm.weight.float(), eps), rope)
+        k = _rope(_rms_norm(k.view(b, s, nkv, d), att.k_norm.weight.float(), eps), rope)
+        return q, k, v.view(b, s, nkv, d)
 
     @torch.no_grad()
     def forward_embeds_static(self, x: Tensor, ctx_len: Tensor, context: KV) -> Tensor:
@@ -334,7 +380,7 @@ class BlockDrafter(torch.nn.Module):
         h = x.float()
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
-            q, k, v = self._block_qkv(layer, h, rope)
+            q, k, v = self._block_qkv(li, layer, h, rope)
             kc, vc = context[li]  # [B, Hkv, cap, D]
             qr = q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
             ct = kc.dtype  # [B, Hkv, GS, cap + S] scores
@@ -342,10 +388,7 @@ class BlockDrafter(torch.nn.Module):
             p = (sc * d**-0.5).masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # no causal mask
             o = (p[..., :cap].to(ct) @ vc).float() + p[..., cap:] @ v.permute(0, 2, 1, 3)
             o = o.view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
-            h = h + self._lin(att.o_proj, o)
-            y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), eps)
-            mlp = layer.mlp
-            h = h + self._lin(mlp.down_proj, F.silu(self._lin(mlp.gate_proj, y)) * self._lin(mlp.up_proj, y))
+            h = self._mlp(li, layer, h + self._lin(att.o_proj, o))
         return _rms_norm(h, self.norm.weight.float(), eps)
 
     @torch.no_grad()

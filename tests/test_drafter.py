@@ -266,6 +266,39 @@ def test_config_checked_against_target(model: TargetModel) -> None:
         BlockDrafter.for_target(model, DrafterConfig.tiny(64, hidden_size=32))
 
 
+def test_fused_projections_share_the_named_weights(model: TargetModel) -> None:
+    """q|k|v and gate|up run as one GEMM each over weights that stay the checkpoint-named parameters
+    (row blocks of one tensor): loading a state dict in place keeps the sharing, the fused forward
+    equals the one-by-one forward to FP32 rounding, and moved modules fall back to one GEMM each."""
+    from dflashgen.runtime.drafter import _rows_of
+
+    block = BlockDrafter.for_target(model, DCFG, seed=3)
+    la = block.layers[0]
+    att, mlp = la.self_attn, la.mlp
+    assert _rows_of(block._fused[0][0], (att.q_proj, att.k_proj, att.v_proj))
+    assert _rows_of(block._fused[0][1], (mlp.gate_proj, mlp.up_proj))
+    block.load_state_dict(BlockDrafter.for_target(model, DCFG, seed=4).state_dict())  # in place
+    assert _rows_of(block._fused[1][0], (block.layers[1].self_attn.q_proj, block.layers[1].self_attn.k_proj,
+                                         block.layers[1].self_attn.v_proj))
+    assert torch.equal(block._fused[0][1][:DCFG.intermediate_size], mlp.gate_proj.weight)
+    hidden = _taps(model, _prompt(10, 5))
+    x = block.embed(torch.tensor([[3, 96, 96, 96, 96, 96, 96, 96]]))
+    outs = []
+    for fused in (True, False):
+        block.fused_projections = fused
+        kv = block.context_kv(hidden, torch.arange(10))
+        outs.append((kv, block.forward_embeds(x, [10], [kv])))
+    block.fused_projections = True
+    for (k1, v1), (k2, v2) in zip(outs[0][0], outs[1][0], strict=True):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    moved = block.to(torch.float64)  # new parameter tensors: the shared weights no longer back them
+    assert not _rows_of(moved._fused[0][0], (att.q_proj, att.k_proj, att.v_proj))
+    kv = moved.context_kv(hidden.double(), torch.arange(10))  # one GEMM each, in the modules' dtype
+    torch.testing.assert_close(kv[0][1].float(), outs[1][0][0][1], rtol=1e-5, atol=1e-5)
+
+
 def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, block: BlockDrafter) -> None:
     """The static-slot drafter (CUDA-graph form, eager here): greedy decoding stays identical to plain
     decoding, each slot's context length follows its request, and its drafts match the per-request
