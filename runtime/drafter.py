@@ -592,12 +592,7 @@ class StaticDFlashDrafter:
         staging overwrites them."""
         b = pending.shape[0]
         self.block[:b, 0].copy_(pending)
-        if b in self._graphs:
-            g, out = self._graphs[b]
-            g.replay()
-        else:
-            out = self._step(b)
-        self._pre = (b, out)
+        self._pre = (b, self._run(b))
 
     def cancel(self) -> None:
         """Drop a prelaunched step (its slots changed: a request joined)."""
@@ -689,11 +684,15 @@ class StaticDFlashDrafter:
             return pre[1], slots
         tok = torch.tensor([c.tokens[-1] for c in contexts], dtype=torch.long)
         self.block[tensor_on(slots, self.block.device), 0] = to_device(tok, self.block.device)
+        return self._run(b), slots
+
+    def _run(self, b: int) -> Tensor:
+        """The step for slots ``[0, b)``: its captured graph replayed, else eagerly."""
         if b in self._graphs:
             g, out = self._graphs[b]
             g.replay()
-            return out, slots
-        return self._step(b), slots
+            return out
+        return self._step(b)
 
     @torch.no_grad()
     def propose(self, contexts: Sequence[RequestContext]) -> tuple[Tensor, Tensor | None]:
