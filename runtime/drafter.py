@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from .host import tensor_on, to_device
+from .library import silu_mul, silu_mul_cat
+from .norm_kernel import add_rmsnorm, fused_available
 from .sampling import SamplingParams, sample_categorical, target_probs
 from .spec_decode import RequestContext
 from .target import TargetModel
@@ -135,15 +138,11 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def _rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """x [..., N, heads, D] rotated by the tables ``rope`` of its positions (BlockDrafter._rope_tables)."""
-    cos, sin = rope
-    return x * cos + _rotate_half(x) * sin
+    """x [..., N, heads, D] rotated by the tables ``rope`` of its positions (BlockDrafter._rope_tables):
+    x cos + rotate_half(x) sin, with rotate_half(x) sin = roll(x, D / 2) [-sin | sin] (three kernels)."""
+    cos, sin_signed = rope
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def _lin(k: int, n: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Linear:
@@ -174,9 +173,12 @@ def _rows_of(w: Tensor, mods: Sequence[torch.nn.Linear]) -> bool:
 
 
 class _Norm(torch.nn.Module):
-    def __init__(self, n: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    """An RMSNorm weight, FP32 whatever the drafter's dtype: the norms run in FP32 (the fused
+    add-RMSNorm takes FP32 weights), so no per-call upcast copy; loading casts exactly."""
+
+    def __init__(self, n: int, device: torch.device | str) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(n, device=device, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.ones(n, device=device, dtype=torch.float32))
 
 
 class _Attn(torch.nn.Module):
@@ -185,7 +187,7 @@ class _Attn(torch.nn.Module):
         h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.q_proj, self.o_proj = _lin(h, nh * d, device, dtype), _lin(nh * d, h, device, dtype)
         self.k_proj, self.v_proj = _lin(h, nkv * d, device, dtype), _lin(h, nkv * d, device, dtype)
-        self.q_norm, self.k_norm = _Norm(d, device, dtype), _Norm(d, device, dtype)
+        self.q_norm, self.k_norm = _Norm(d, device), _Norm(d, device)
 
 
 class _MLP(torch.nn.Module):
@@ -199,9 +201,9 @@ class _MLP(torch.nn.Module):
 class _Layer(torch.nn.Module):
     def __init__(self, cfg: DrafterConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = _Norm(cfg.hidden_size, device, dtype)
+        self.input_layernorm = _Norm(cfg.hidden_size, device)
         self.self_attn = _Attn(cfg, device, dtype)
-        self.post_attention_layernorm = _Norm(cfg.hidden_size, device, dtype)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size, device)
         self.mlp = _MLP(cfg, device, dtype)
 
 
@@ -223,14 +225,15 @@ class BlockDrafter(torch.nn.Module):
         self.act_dtype = act_dtype or dtype
 
         self.fc = _lin(len(cfg.target_layers) * cfg.target_hidden_size, h, device, dtype)
-        self.hidden_norm = _Norm(h, device, dtype)
+        self.hidden_norm = _Norm(h, device)
         self.layers = torch.nn.ModuleList(_Layer(cfg, device, dtype) for _ in range(cfg.num_layers))
-        self.norm = _Norm(h, device, dtype)
+        self.norm = _Norm(h, device)
         # per layer: q|k|v and gate|up as one weight each (one GEMM, one input cast per group);
         # fused_projections=False runs them one by one (same weights; GEMM shapes round differently)
         self._fused = [(_share_rows((la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj)),
                         _share_rows((la.mlp.gate_proj, la.mlp.up_proj))) for la in self._layers()]
         self.fused_projections = True
+        self._fused_norm_at: dict[tuple[torch.device, int, torch.dtype], bool] = {}
         self.reseed(seed)
 
     @classmethod
@@ -265,36 +268,73 @@ class BlockDrafter(torch.nn.Module):
     def _layers(self) -> list[_Layer]:
         return list(self.layers)  # type: ignore[arg-type]
 
+    def _proj(self, m: torch.nn.Linear, x: Tensor) -> Tensor:
+        """m(x) in the weight's dtype (the residual add and the norms upcast it exactly)."""
+        return m(x.to(m.weight.dtype))
+
     def _lin(self, m: torch.nn.Linear, x: Tensor) -> Tensor:
-        return m(x.to(m.weight.dtype)).float()
+        return self._proj(m, x).float()
 
     def _lins(self, li: int, group: int, mods: Sequence[torch.nn.Linear], x: Tensor,
               rows: slice = slice(None)) -> tuple[Tensor, ...]:
-        """``mods`` (all of one input) applied to ``x``: one GEMM over layer ``li``'s shared weight
-        ``group`` (0: q|k|v, 1: gate|up; ``rows``: a sub-range of its blocks) where the sharing holds
-        and ``fused_projections`` is on, else one GEMM each."""
+        """``mods`` (all of one input) applied to ``x``, in the weights' dtype: one GEMM over layer
+        ``li``'s shared weight ``group`` (0: q|k|v, 1: gate|up; ``rows``: a sub-range of its blocks) where
+        the sharing holds and ``fused_projections`` is on, else one GEMM each."""
+        y = self._group(li, group, mods, x, rows)
+        if y is not None:
+            return y.split([m.weight.shape[0] for m in mods], dim=-1)
+        return tuple(self._proj(m, x) for m in mods)
+
+    def _group(self, li: int, group: int, mods: Sequence[torch.nn.Linear], x: Tensor,
+               rows: slice = slice(None)) -> Tensor | None:
+        """:meth:`_lins`' one GEMM (its outputs side by side), or None where it does not apply."""
         w = self._fused[li][group]
         if self.fused_projections and _rows_of(w[rows], mods):
-            y = F.linear(x.to(w.dtype), w[rows]).float()
-            return y.split([m.weight.shape[0] for m in mods], dim=-1)
-        return tuple(self._lin(m, x) for m in mods)
+            return F.linear(x.to(w.dtype), w[rows])
+        return None
 
-    def _mlp(self, li: int, layer: Any, h: Tensor) -> Tensor:
-        """The residual stream after layer ``li``'s post-attention norm and SwiGLU MLP."""
-        y = _rms_norm(h, layer.post_attention_layernorm.weight.float(), self.cfg.rms_norm_eps)
+    def _fused_norm(self, h: Tensor) -> bool:
+        """Whether :meth:`_add_norm` runs the target's generated add-RMSNorm kernel (FP16 projections on
+        a GPU with one; ``$DFLASHGEN_FUSED_NORM=0``: torch's ops, as for the target)."""
+        key = (h.device, h.shape[-1], self.fc.weight.dtype)
+        if key not in self._fused_norm_at:
+            self._fused_norm_at[key] = (self.fc.weight.dtype is torch.float16 and h.is_cuda
+                                        and os.environ.get("DFLASHGEN_FUSED_NORM", "1") != "0"
+                                        and fused_available(h.device, h.shape[-1]))
+        return self._fused_norm_at[key]
+
+    def _add_norm(self, h: Tensor, r: Tensor | None, norm: _Norm) -> tuple[Tensor, Tensor]:
+        """(h + r, RMSNorm(h + r) * w in the projections' dtype): h the FP32 residual stream, r a
+        sublayer's output in its GEMM's dtype (the add upcasts it exactly) or None. FP16 on a GPU: one
+        generated launch (the target's add-RMSNorm) instead of an upcast, add, norm and cast."""
+        w = norm.weight.float()
+        if (self._fused_norm(h) and h.dtype is torch.float32 and h.is_contiguous()
+                and (r is None or (r.dtype is torch.float16 and r.is_contiguous()))):
+            return add_rmsnorm(h, r, w, self.cfg.rms_norm_eps)
+        hn = h if r is None else h + r
+        return hn, _rms_norm(hn, w, self.cfg.rms_norm_eps).to(self.fc.weight.dtype)
+
+    def _mlp(self, li: int, layer: Any, y: Tensor) -> Tensor:
+        """Layer ``li``'s SwiGLU MLP of its normed input ``y``, in the weights' dtype: SiLU(gate) * up in
+        FP32, rounded once (over the fused [gate | up] output: one generated launch for FP16 on a GPU)."""
         mlp = layer.mlp
-        gate, up = self._lins(li, 1, (mlp.gate_proj, mlp.up_proj), y)
-        return h + self._lin(mlp.down_proj, F.silu(gate) * up)
+        gu = self._group(li, 1, (mlp.gate_proj, mlp.up_proj), y)
+        if gu is not None:
+            act = silu_mul_cat(gu, gu.dtype)
+        else:
+            gate, up = (self._proj(m, y) for m in (mlp.gate_proj, mlp.up_proj))
+            act = silu_mul(gate, up, gate.dtype)
+        return self._proj(mlp.down_proj, act)
 
     def _rope_tables(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [..., N, 1, D] (FP32) of absolute positions pos [..., N]: full-width rotary (Qwen3),
-        made once per forward and shared by every layer's q and k (:func:`_rope`)."""
+        """cos, [-sin | sin] [..., N, 1, D] (FP32) of absolute positions pos [..., N]: full-width rotary
+        (Qwen3), made once per forward and shared by every layer's q and k (:func:`_rope`)."""
         d = self.cfg.head_dim
         # fp64 angles, computed here (not a buffer) so .to(fp16) cannot round them
         inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d)
         ang = pos[..., None].double() * inv_freq
-        emb = torch.cat((ang, ang), -1)
-        return emb.cos().float()[..., None, :], emb.sin().float()[..., None, :]
+        sin = ang.sin()
+        return torch.cat((ang, ang), -1).cos().float()[..., None, :], torch.cat((-sin, sin), -1).float()[..., None, :]
 
     def embed(self, tokens: Tensor) -> Tensor:
         e = self._shared[0]
@@ -307,89 +347,102 @@ class BlockDrafter(torch.nn.Module):
     @torch.no_grad()
     def context_kv(self, hidden: Tensor, positions: Tensor) -> KV:
         """Context keys/values of every layer for target hidden states ``hidden [N, len(taps) * Ht]``
-        (taps concatenated in ``target_layers`` order) at absolute ``positions [N]``."""
+        (taps concatenated in ``target_layers`` order) at absolute ``positions [N]``: K FP32 (normed,
+        rotated), V in the weights' dtype."""
         cfg = self.cfg
-        fused = _rms_norm(self._lin(self.fc, hidden.float()), self.hidden_norm.weight.float(), cfg.rms_norm_eps)
+        _, fused = self._add_norm(self._lin(self.fc, hidden.float()), None, self.hidden_norm)
         rope = self._rope_tables(positions)
         out: KV = []
         kv_rows = slice(cfg.num_heads * cfg.head_dim, None)  # k|v: the shared weight's rows after q
         for li, layer in enumerate(self._layers()):
             att = layer.self_attn
             k, v = self._lins(li, 0, (att.k_proj, att.v_proj), fused, kv_rows)
-            k = _rope(_rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), att.k_norm.weight.float(),
+            k = _rope(_rms_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim).float(), att.k_norm.weight.float(),
                                 cfg.rms_norm_eps), rope)
             out.append((k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
+    def _layers_forward(self, x: Tensor, rope: tuple[Tensor, Tensor],
+                        attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """The decoder layers over block embeddings ``x [B, S, H]`` -> final-normed hidden states in the
+        projections' dtype; ``attend(li, q, k, v)`` -> ``[B, S, heads * D]`` in that dtype is layer li's
+        attention of the block's normed, rotated q / k (FP32) and v."""
+        h, r = x.float(), None
+        for li, layer in enumerate(self._layers()):
+            h, y = self._add_norm(h, r, layer.input_layernorm)
+            q, k, v = self._block_qkv(li, layer, y, rope)
+            r = self._proj(layer.self_attn.o_proj, attend(li, q, k, v))
+            h, y = self._add_norm(h, r, layer.post_attention_layernorm)
+            r = self._mlp(li, layer, y)
+        return self._add_norm(h, r, self.norm)[1]
+
     @torch.no_grad()
     def forward_embeds(self, x: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:
         """Block hidden states ``x [B, S, H]`` at positions ``start[b] + s`` over request b's context
-        K/V ``context[b]`` (``[layer] -> (K, V) [start[b], Hkv, D]``) -> final-normed ``[B, S, H]``.
-        Attention is NOT causal inside the block: every position sees the whole context and block."""
+        K/V ``context[b]`` (``[layer] -> (K, V) [start[b], Hkv, D]``) -> final-normed ``[B, S, H]`` (the
+        projections' dtype). Attention is NOT causal inside the block: every position sees the whole
+        context and block; the reference form (FP32 scores, softmax and products, per request)."""
         cfg, (b, s, _) = self.cfg, x.shape
-        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = torch.tensor(list(start), dtype=torch.long, device=x.device)[:, None] + torch.arange(s, device=x.device)
-        rope = self._rope_tables(pos)
-        h = x.float()
-        for li, layer in enumerate(self._layers()):
-            att = layer.self_attn
-            q, k, v = self._block_qkv(li, layer, h, rope)
+
+        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             o = torch.empty(b, s, nh, d, device=x.device)
             for r in range(b):  # per request over its own context: batch composition cannot change its math
                 kc, vc = context[r][li]
                 kr = torch.cat((kc.float(), k[r]), 0).permute(1, 0, 2)[:, None]  # [Hkv, 1, L+S, D]
-                vr = torch.cat((vc.float(), v[r]), 0).permute(1, 0, 2)[:, None]
+                vr = torch.cat((vc.float(), v[r].float()), 0).permute(1, 0, 2)[:, None]
                 qr = q[r].view(s, nkv, nh // nkv, d).permute(1, 2, 0, 3)  # [Hkv, G, S, D]
                 p = ((qr @ kr.transpose(-1, -2)) * d**-0.5).softmax(-1)  # no mask: non-causal block
                 o[r] = (p @ vr).permute(2, 0, 1, 3).reshape(s, nh, d)
-            h = self._mlp(li, layer, h + self._lin(att.o_proj, o.reshape(b, s, nh * d)))
-        return _rms_norm(h, self.norm.weight.float(), eps)
+            return o.view(b, s, nh * d).to(v.dtype)
 
-    def _block_qkv(self, li: int, layer: Any, h: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Drafter layer ``li``'s normed, rotated q [B, S, H, D] and k, v [B, S, Hkv, D] of the block (rope:
-        the block positions' tables)."""
-        cfg, (b, s, _) = self.cfg, h.shape
+        return self._layers_forward(x, self._rope_tables(pos), attend)
+
+    def _block_qkv(self, li: int, layer: Any, y: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Drafter layer ``li``'s normed, rotated q [B, S, H, D] and k [B, S, Hkv, D] (FP32) and v [B, S,
+        Hkv, D] (the weights' dtype) of the block's normed input ``y`` (rope: the block positions' tables)."""
+        cfg, (b, s, _) = self.cfg, y.shape
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         att = layer.self_attn
-        y = _rms_norm(h, layer.input_layernorm.weight.float(), eps)
         q, k, v = self._lins(li, 0, (att.q_proj, att.k_proj, att.v_proj), y)
-        q = _rope(_rms_norm(q.view(b, s, nh, d), att.q_norm.weight.float(), eps), rope)
-        k = _rope(_rms_norm(k.view(b, s, nkv, d), att.k_norm.weight.float(), eps), rope)
-        return q, k, v.view(b, s, nkv, d)
+        q = _rope(_rms_norm(q.reshape(b, s, nh, d).float(), att.q_norm.weight.float(), eps), rope)
+        k = _rope(_rms_norm(k.reshape(b, s, nkv, d).float(), att.k_norm.weight.float(), eps), rope)
+        return q, k, v.reshape(b, s, nkv, d)
 
     @torch.no_grad()
     def forward_embeds_static(self, x: Tensor, ctx_len: Tensor, context: KV) -> Tensor:
         """:meth:`forward_embeds` over static per-slot context caches: ``context[layer] = (K, V)``
         ``[B, Hkv, capacity, D]`` (head-major) of which the first ``ctx_len[b]`` positions are request
-        b's (the rest masked); the block sits at positions ``ctx_len[b] + s``. Static shapes, no host
-        sync (CUDA-graph capturable); the same math as :meth:`forward_embeds` up to FP32 summation
-        order and, with an FP16 cache, the context products' FP16 inputs. The context and the block are
-        scored and summed as two products, so the cache (the whole capacity, every layer and round) is
-        read in place: head-major, each (slot, head) is one contiguous [capacity, D] matrix of a
-        uniformly strided batch, no concatenated copy. The context products run in the cache's dtype
-        (FP16 on CUDA: FP32 accumulation; the scores and the softmax stay FP32): half the bytes of an
-        FP32 cache, the same draft-pass time on the H200 (tools/draft_bench.py, bench/NOTES.md s31)."""
+        b's; the block sits at positions ``ctx_len[b] + s``, and its K / V are WRITTEN there (capacity
+        must hold ``ctx_len + S``; positions past ``ctx_len`` are scratch) so each layer's attention is
+        two batched products over the cache in place (head-major: each (slot, head) one contiguous
+        [capacity, D] matrix), positions past ``ctx_len + S`` masked. Static shapes, no host sync
+        (CUDA-graph capturable). The products and the scores run in the cache's dtype (FP16 on CUDA,
+        FP32 accumulation; q pre-scaled), the softmax in FP32 (rounded to the cache's dtype for the P V
+        product): the same math as :meth:`forward_embeds` up to those roundings (an FP32 cache: up to
+        FP32 summation order)."""
         cfg, (b, s, _) = self.cfg, x.shape
-        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nh // nkv
-        pos = ctx_len[:, None] + torch.arange(s, device=x.device)
+        pos = ctx_len[:, None] + torch.arange(s, device=x.device)  # [B, S]
         cap = context[0][0].shape[2]
-        visible = torch.cat((torch.arange(cap, device=x.device) < ctx_len[:, None],
-                             torch.ones(b, s, dtype=torch.bool, device=x.device)), dim=1)  # [B, cap + S]
-        rope = self._rope_tables(pos)
-        h = x.float()
-        for li, layer in enumerate(self._layers()):
-            att = layer.self_attn
-            q, k, v = self._block_qkv(li, layer, h, rope)
+        hidden = (torch.arange(cap, device=x.device) >= (ctx_len + s)[:, None])[:, None, None]  # [B, 1, 1, cap]
+        rows = torch.arange(b, device=x.device)[:, None]
+
+        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = context[li]  # [B, Hkv, cap, D]
-            qr = q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
-            ct = kc.dtype  # [B, Hkv, GS, cap + S] scores
-            sc = torch.cat(((qr.to(ct) @ kc.transpose(-1, -2)).float(), qr @ k.permute(0, 2, 3, 1)), -1)
-            p = (sc * d**-0.5).masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # no causal mask
-            o = (p[..., :cap].to(ct) @ vc).float() + p[..., cap:] @ v.permute(0, 2, 1, 3)
-            o = o.view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, nh * d)
-            h = self._mlp(li, layer, h + self._lin(att.o_proj, o))
-        return _rms_norm(h, self.norm.weight.float(), eps)
+            ct = kc.dtype
+            kc[rows, :, pos] = k.to(ct)  # [rows, :, pos] indexes as [B, S, Hkv, D]
+            vc[rows, :, pos] = v.to(ct)
+            qr = torch.empty((b, nkv, g, s, d), dtype=ct, device=x.device)  # grouped by KV head, scaled
+            torch.mul(q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4), d**-0.5, out=qr)
+            sc = (qr.view(b, nkv, g * s, d) @ kc.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+            p = sc.softmax(-1, dtype=torch.float32).to(ct)  # no causal mask: the block sees itself
+            o = (p @ vc).view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]
+            return o.reshape(b, s, nh * d).to(v.dtype)
+
+        return self._layers_forward(x, self._rope_tables(pos), attend)
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:

@@ -472,10 +472,11 @@ def test_replay_with_static_drafter_cost_sees_real_taps(model: TargetModel, bloc
 def test_static_block_forward_reads_the_head_major_cache_in_place(block: BlockDrafter) -> None:
     """forward_embeds_static over a head-major [B, Hkv, capacity, D] cache (stale rows past each
     slot's length) equals the per-request forward_embeds over exactly those contexts, to FP32
-    summation order; a position past ctx_len never matters."""
+    summation order; a position past ctx_len never matters (the block's own K / V are written at
+    ctx_len.., the rest stay masked)."""
     cfg = block.cfg
     g = torch.Generator().manual_seed(7)
-    lens, cap, s = [5, 0, 11], 16, cfg.block_size
+    lens, cap, s = [5, 0, 11], 24, cfg.block_size
     x = torch.randn(len(lens), s, cfg.hidden_size, generator=g)
     per_request = [[(torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g),
                      torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)) for _ in range(cfg.num_layers)]
@@ -488,6 +489,13 @@ def test_static_block_forward_reads_the_head_major_cache_in_place(block: BlockDr
             kc[r, :, :n] = per_request[r][li][0].transpose(0, 1)
             vc[r, :, :n] = per_request[r][li][1].transpose(0, 1)
         static.append((kc, vc))
+
+    def past_block() -> list[torch.Tensor]:  # every slot's rows past its block
+        return [kv[r, :, n + s:].clone() for pair in static for kv in pair for r, n in enumerate(lens)]
+
+    before = past_block()
     want = block.forward_embeds(x, lens, per_request)
     got = block.forward_embeds_static(x, torch.tensor(lens), static)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # only the block's positions were written: the rows past them are as they were
+    assert all(torch.equal(a, b) for a, b in zip(before, past_block(), strict=True))
