@@ -13,11 +13,12 @@ q / k / u staged as 16-byte copies, cp.async on sm_80+, so q, k, o, u and k_out 
 
 Plus one glue kernel set per arch, ``templates/gdn_io.cu.j2`` (``dfg_sm90_gdnio_w4_d256_pt16``, manifest
 ``mode: "io"``; logic in ``templates/include/dflashgen/gdn_io.cuh``): ``<name>`` (inputs: the causal
-conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per position),
-``<name>_prefill`` (the same for a prefill straight from the conv state and the in_proj output's FP16
-rows, 16 positions per warp, the conv state updated in place: no FP32 conv-input tensor; head dims up to
-128, ``<name>_prefill_wide`` up to 256) and
-``<name>_gate`` (the gated RMSNorm with SiLU(z), FP16 out) -- what the target ran as ~20 torch
+conv as a W-tap sum, SiLU, the q / k L2 norms, beta and the log decay, per position), ``<name>_split``
+(the same straight from the conv state and the in_proj output's FP16 rows, writing their FP32 cat into
+the rollback buffer: an armed verify forward without torch's cat), ``<name>_prefill`` (the same for a
+prefill, 16 positions per warp, the conv state updated in place: no FP32 conv-input tensor; head dims up
+to 128, ``<name>_prefill_wide`` up to 256) and ``<name>_gate`` (the gated RMSNorm with SiLU(z), FP16
+out) -- what the target ran as ~20 torch
 launches per layer; dims at run time, head dims up to 256.
 
 Plus one prefill kernel per (arch, key head dim), ``templates/gdn_prefill.cu.j2``
@@ -236,6 +237,6 @@ def family_kernels() -> list[FamilyKernel]:
     io = [FamilyKernel(io_kernel_name(arch), arch, render_io(arch),
                        {"mode": "io", "threads": 32 * IO_WARPS, "warps": IO_WARPS, "max_d": IO_MAX_D,
                         "prefill_tile": IO_PREFILL_TILE, "prefill_max_w": IO_PREFILL_MAX_W,
-                        "prefill_narrow_d": IO_PREFILL_NARROW_D})
+                        "prefill_narrow_d": IO_PREFILL_NARROW_D, "split": True})
           for arch in ARCHS]
     return steps + prefills + chunks + io

@@ -32,8 +32,8 @@ from .images import entry_here, family_entries, load_module, loaded_kernel
 from .library import mul_to
 
 __all__ = ["GdnDims", "conv_window", "gdn_gate", "gdn_inputs", "gdn_prefill_inputs", "io_available", "l2_norm",
-           "prefill_inputs_available", "reference_conv", "reference_gate", "reference_inputs", "reference_post_conv",
-           "reference_prefill_inputs"]
+           "gdn_split_inputs", "prefill_inputs_available", "reference_conv", "reference_gate", "reference_inputs",
+           "reference_post_conv", "reference_prefill_inputs", "reference_split_inputs", "split_inputs_available"]
 
 Tensor = torch.Tensor
 L2_EPS = 1e-6  # as in HF / FLA l2norm
@@ -103,6 +103,14 @@ def reference_prefill_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: T
     return out
 
 
+def reference_split_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor,
+                           dims: GdnDims, cat_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gdn_split_inputs` in torch ops: the cat made into ``cat_out``, then :func:`reference_inputs`."""
+    c = conv_w.shape[0]
+    torch.cat((conv.transpose(1, 2), mixed[..., :c]), dim=1, out=cat_out)  # the FP16 rows upcast exactly
+    return reference_inputs(cat_out, zba, conv_w, dt_bias, neg_a, dims)
+
+
 def reference_gate(o: Tensor, z: Tensor, w: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     """rms_norm(o) * w * silu(z) for o ``[B, T, Hv, dv]`` FP32, z of o's shape (any float), rounded
     once to ``dtype``; ``[B, T, Hv * dv]``."""
@@ -140,6 +148,7 @@ class _IoKernels:
         mod = load_module(entry, device_index)
         self.name, self.warps, self.max_d = entry["name"], int(entry["warps"]), int(entry["max_d"])
         self.inputs, self.gate = mod.function(self.name), mod.function(self.name + "_gate")
+        self.split = mod.function(self.name + "_split")
         self.prefill_tile, self.prefill_max_w = int(entry["prefill_tile"]), int(entry["prefill_max_w"])
         self.prefill_narrow_d = int(entry["prefill_narrow_d"])
         self.prefill = {wide: mod.function(self.name + ("_prefill_wide" if wide else "_prefill"))
@@ -147,6 +156,7 @@ class _IoKernels:
         p, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
         self.in_args = ArgPack([p, i, i, i, p, ll, p, p, p, i, i, i, i, f, f, f, p, p, p, p, p])
         self.prefill_args = ArgPack([p, p, ll, i, i, i, p, p, ll, p, p, p, i, i, i, i, f, f, f, p, p, p, p, p])
+        self.split_args = ArgPack([p, p, ll, p, i, i, i, p, ll, p, p, p, i, i, i, i, f, f, f, p, p, p, p, p])
         self.gate_args = ArgPack([p, p, ll, p, f, i, i, p])
 
 
@@ -215,6 +225,51 @@ def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg
             q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), log_decay.data_ptr())
     kern.in_args.launch(kern.inputs, (b * t, -(-(2 * nk + nv) // kern.warps), 1), (32 * kern.warps, 1, 1),
                         current_stream(idx), vals)
+    return outs
+
+
+def split_inputs_available(device: torch.device | str, dk: int, dv: int, arch: int | None = None) -> bool:
+    """Whether :func:`gdn_split_inputs` launches a kernel here (manifest only): an io entry that has it."""
+    e = entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, _entry)
+    return e is not None and max(dk, dv) <= int(e["max_d"]) and bool(e.get("split"))
+
+
+def gdn_split_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg_a: Tensor,
+                     dims: GdnDims, cat_out: Tensor, *, arch: int | None = None,
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gdn_inputs` of an armed (verify / decode) forward straight from the conv state ``conv [B, C,
+    W - 1]`` FP32 (contiguous; only read) and the in_proj output's FP16 rows ``mixed [B, T, >= C]`` (rows
+    evenly spaced), writing their time-major cat ``[B, W - 1 + T, C]`` FP32 into ``cat_out`` (contiguous:
+    the rollback buffer) -- the same (q, k, v, beta, log_decay), bitwise, as :func:`gdn_inputs` on that
+    cat, in one launch instead of torch's cat (two copies) and the inputs kernel. Else torch."""
+    nk, dk, nv, dv = dims
+    if conv.device.type != "cuda":
+        return reference_split_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, cat_out)
+    b, c, hold = conv.shape
+    width = conv_w.shape[-1]
+    t = mixed.shape[1] if mixed.dim() == 3 else 0
+    if c != 2 * nk * dk + nv * dv or hold != width - 1 or t < 1:
+        raise GdnInputError(f"conv [B, C, W-1] = {tuple(conv.shape)} / mixed {tuple(mixed.shape)} do not fit dims "
+                            f"{dims}, W = {width}")
+    if conv.dtype != torch.float32 or not conv.is_contiguous():
+        raise GdnInputError(f"conv must be contiguous float32, got {conv.dtype} strides {conv.stride()}")
+    if mixed.dtype != torch.float16 or mixed.device != conv.device:
+        raise GdnInputError(f"mixed must be float16 on {conv.device}, got {mixed.dtype} on {mixed.device}")
+    if (cat_out.dtype != torch.float32 or tuple(cat_out.shape) != (b, hold + t, c) or not cat_out.is_contiguous()
+            or cat_out.device != conv.device):
+        raise GdnInputError(f"cat_out must be contiguous float32 {[b, hold + t, c]} on {conv.device}, got "
+                            f"{cat_out.dtype} {list(cat_out.shape)} strides {cat_out.stride()} on {cat_out.device}")
+    mixed_row = _rows("mixed", mixed, b, t, c)
+    row = _check_terms(zba, conv_w, dt_bias, neg_a, b, t, c, width, dims, conv.device)
+    kern, idx = _kernels(conv.device, arch)
+    if max(dk, dv) > kern.max_d:
+        raise GdnInputError(f"head dims {dk} / {dv} above the io kernel's {kern.max_d}")
+    q, k, v, beta, log_decay = outs = _outputs(b, t, dims, conv.device)
+    vals = (conv.data_ptr(), mixed.data_ptr(), mixed_row, cat_out.data_ptr(), width, c, t, zba.data_ptr(), row,
+            conv_w.data_ptr(), dt_bias.data_ptr(), neg_a.data_ptr(), nk, dk, nv, dv, L2_EPS, dk**-0.5 / math.sqrt(dk),
+            1 / math.sqrt(dk), q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), log_decay.data_ptr())
+    kern.split_args.launch(kern.split, (b * t, -(-(2 * nk + nv) // kern.warps), 1), (32 * kern.warps, 1, 1),
+                           current_stream(idx), vals)
     return outs
 
 

@@ -73,11 +73,13 @@ from .gdn_io import (
     gdn_gate,
     gdn_inputs,
     gdn_prefill_inputs,
+    gdn_split_inputs,
     io_available,
     prefill_inputs_available,
     reference_conv,
     reference_gate,
     reference_post_conv,
+    split_inputs_available,
 )
 from .gdn_kernel import (
     chunk_available,
@@ -530,6 +532,10 @@ class TargetModel(torch.nn.Module):
         # in_proj output's FP16 rows: no FP32 conv-input cat (same bits)
         self.gdn_prefill_io = self.gdn_io and glue("DFLASHGEN_GDN_PREFILL_IO", lambda: prefill_inputs_available(
             self.device, gdn_dims[2], gdn_dims[3], gdn_dims[4]))
+        # ... and of an armed (verify) forward, writing the conv-input cat the rollback keeps itself
+        # (no torch cat: two copies per layer; same bits)
+        self.gdn_split_io = self.gdn_io and glue("DFLASHGEN_GDN_SPLIT_IO", lambda: split_inputs_available(
+            self.device, gdn_dims[2], gdn_dims[3]))
         for m in projections.values():
             # Plain (FP16) nn.Linear layers must match the activation dtype; QuantLinear takes any float.
             m = _inner(m)
@@ -663,12 +669,13 @@ class TargetModel(torch.nn.Module):
         emb = torch.cat((ang, ang), -1)
         cos, sin = emb.cos().float()[:, :, None], emb.sin().float()[:, :, None]  # [B, T, 1, rd]
 
+        ends = (base + t).to(torch.int32)  # each request's visible length after this forward (attention)
         h = self.w["model.embed_tokens.weight"][tokens]
         r: Tensor | None = None  # the last sublayer's output, added to h by the next norm site
         for i, lt in enumerate(self.cfg.layer_types):
             p = f"model.layers.{i}"
             h, x = self._add_norm(h, r, f"{p}.input_layernorm.weight")
-            r = (self._attention(i, x, pos, cos, sin, state, kv_len) if lt == FULL
+            r = (self._attention(i, x, pos, ends, cos, sin, state, kv_len) if lt == FULL
                  else self._gdn(i, x, state, n_new, keep, replay))
             h, x = self._add_norm(h, r, f"{p}.post_attention_layernorm.weight")
             r = self._mlp(i, x)
@@ -708,8 +715,9 @@ class TargetModel(torch.nn.Module):
             y = silu_mul_cat(y, self.act_dtype)
         return self._proj(self._p(i, "down_proj"), y)
 
-    def _attention(self, i: int, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, state: DecodeState,
+    def _attention(self, i: int, x: Tensor, pos: Tensor, ends: Tensor, cos: Tensor, sin: Tensor, state: DecodeState,
                    kv_len: int | None = None) -> Tensor:
+        """ends: ``pos[:, -1] + 1`` as int32 (made once per forward)."""
         cfg, (b, t, _) = self.cfg, x.shape
         (nh, nkv, _, _), d = self.heads, cfg.head_dim  # this rank's heads
         p = f"model.layers.{i}.self_attn"
@@ -736,7 +744,7 @@ class TargetModel(torch.nn.Module):
         # The generated verify-attention kernel on CUDA (FP16/FP8 cache) for decode / verify forwards;
         # longer (prefill) forwards on CUDA through torch's fused attention (_attend_fused); the FP32
         # reference elsewhere. Query t of request b sits at pos[b, t] = n_vis[b] - T + t.
-        out = dense_verify_attention(q, kc, vc, pos[:, -1] + 1) if t <= QUERY_ROWS else None
+        out = dense_verify_attention(q, kc, vc, ends) if t <= QUERY_ROWS else None
         if out is None and _fused_prefill_attention(q):
             out = self._attend_fused(q, kc, vc, pos, kv_len)
         o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
@@ -817,6 +825,13 @@ class TargetModel(torch.nn.Module):
             inputs = gdn_prefill_inputs(state.conv[i], mixed, zba, self.w[f"{p}.conv1d.weight"].view(c, -1),
                                         self.w[f"{p}.dt_bias"], self.neg_a[i], (nk, dk, nv, dv), n=n_new)
             o = self._gdn_commit(state.ssm[i], inputs, n_new, form == "chunked")
+        elif io and self.gdn_split_io and keep and form == "step":
+            # armed (verify): the inputs straight from the conv state and the FP16 rows, their cat written
+            # into the rollback buffer by the same launch; same bits
+            buf = state.stacked("gdn_conv_cat", (t + state.conv[i].shape[-1], c))[state.gdn_index[i]]
+            inputs = gdn_split_inputs(state.conv[i], mixed, zba, self.w[f"{p}.conv1d.weight"].view(c, -1),
+                                      self.w[f"{p}.dt_bias"], self.neg_a[i], (nk, dk, nv, dv), buf)
+            o = self._gdn_armed_step(i, inputs, state, replay)
         else:
             # conv inputs [B, C, W-1+T] FP32, stored time-major so the conv output's q / k / v rows are
             # contiguous; an armed short forward writes them straight into its rollback buffer (no copy)
@@ -872,17 +887,25 @@ class TargetModel(torch.nn.Module):
         else:
             bet, a = zba[..., nv * dv:].float().split([nv, nv], dim=-1)
             q, k, v, beta, log_decay = self._gdn_inputs(i, reference_conv(cat, wt, t), bet, a)
-        if keep:  # the state stays (after replaying a deferred rollback: `replay`); terms for rollback
-            j = state.gdn_index[i]
-            _, _, nv, dv = v.shape
-            o, _, _ = gdn_step(state._ssm[i], q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
-                               decay=state.stacked("gdn_decay", (t, nv))[j],
-                               k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j],
-                               replay_n=None if replay is None else replay[0],
-                               arrive=None if replay is None else replay[1][j])
-            return o  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
+        if keep:  # the conv inputs are already in the "gdn_conv_cat" buffer (_gdn)
+            return self._gdn_armed_step(i, (q, k, v, beta, log_decay), state, replay)
         o = self._gdn_commit(state.ssm[i], (q, k, v, beta, log_decay), n_new, chunked)
         state.conv[i].copy_(cat[..., t:] if n_new is None else conv_window(cat, n_new, width - 1))
+        return o
+
+    @staticmethod
+    def _gdn_armed_step(i: int, inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], state: DecodeState,
+                        replay: tuple[Tensor, Tensor] | None) -> Tensor:
+        """An armed forward's step from its inputs: the state stays (after replaying a deferred rollback:
+        ``replay``), the terms the rollback needs go to the stacked buffers. o [B, T, Hv, dv]."""
+        q, k, v, beta, log_decay = inputs
+        j = state.gdn_index[i]
+        t, nv, dv = v.shape[1:]
+        o, _, _ = gdn_step(state._ssm[i], q, k, v, beta, log_decay, u=state.stacked("gdn_u", (t, nv, dv))[j],
+                           decay=state.stacked("gdn_decay", (t, nv))[j],
+                           k_out=state.stacked("gdn_k", tuple(k.shape[1:]))[j],
+                           replay_n=None if replay is None else replay[0],
+                           arrive=None if replay is None else replay[1][j])
         return o
 
     @staticmethod

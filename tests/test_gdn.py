@@ -133,7 +133,8 @@ def test_family_compiles_without_spills(arch: int) -> None:
             assert set(entries) == {a.name, a.name + "_prep"}
             continue
         if "_gdnio_" in a.name:
-            assert set(entries) == {a.name, a.name + "_gate", a.name + "_prefill", a.name + "_prefill_wide"}
+            assert set(entries) == {a.name, a.name + "_gate", a.name + "_prefill", a.name + "_prefill_wide",
+                                    a.name + "_split"}
             continue
         assert set(entries) == ({a.name} if prefill else {a.name, a.name + "_advance", a.name + "_replay"})
         ptx = a.ptx.read_text()

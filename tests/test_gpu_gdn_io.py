@@ -2,7 +2,8 @@
 L2 norms, beta, log decay) and ``gdn_gate`` (gated RMSNorm, FP16 out) against their torch formulation
 (FP32 rel. error <= 1e-5; FP16 out <= 1e-3), a position's bits the same whatever T and B (one-position
 calls == one T-position call, bitwise), ``gdn_prefill_inputs`` (from the conv state and the FP16 rows)
-bitwise ``gdn_inputs`` on their cat with the conv state moved to n[b], CUDA-graph replay == eager; the
+bitwise ``gdn_inputs`` on their cat with the conv state moved to n[b], ``gdn_split_inputs`` (an armed
+forward's, writing the cat) likewise, CUDA-graph replay == eager; the
 sm_90 cubin and the compute_70 PTX (JIT-compiled by the driver). Skips cleanly without a GPU."""
 
 from __future__ import annotations
@@ -122,6 +123,42 @@ def test_prefill_inputs_equal_inputs_on_the_cat(arch: str | int, dims: tuple[int
             assert torch.equal(state, want), (b, t, width, n)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dims", [*DIMS, (2, 256, 3, 192)])
+def test_split_inputs_equal_inputs_on_the_cat(arch: str | int, dims: tuple[int, int, int, int]) -> None:
+    """gdn_split_inputs (an armed verify forward's inputs from the conv state and the FP16 rows) ==
+    gdn_inputs on cat(conv^T, mixed) bitwise, the cat it writes == torch's, every element of it written
+    (the buffer starts as NaN), the conv state untouched; T 1-16, widths 1-4, in a CUDA graph too."""
+    from dflashgen.runtime.gdn_io import gdn_inputs, gdn_split_inputs
+
+    for b, t, width in ((1, 1, 4), (3, 8, 4), (2, 16, 4), (2, 5, 2), (1, 3, 1), (4, 7, 3)):
+        conv, mixed, zba, conv_w, dt_bias, neg_a = _prefill_case(b, t, dims, width, seed=b * 100 + t + width)
+        c = conv.shape[1]
+        cat_out = torch.full((b, width - 1 + t, c), float("nan"), device="cuda")
+        state = conv.clone()
+        got = gdn_split_inputs(state, mixed, zba, conv_w, dt_bias, neg_a, dims, cat_out, arch=_arch(arch))
+        cat_tm = torch.cat((conv.transpose(1, 2), mixed.float()), dim=1)
+        ref = gdn_inputs(cat_tm, zba, conv_w, dt_bias, neg_a, dims, arch=_arch(arch))
+        torch.cuda.synchronize()
+        for name, x, y in zip(("q", "k", "v", "beta", "log_decay"), got, ref, strict=True):
+            assert x.shape == y.shape and x.is_contiguous(), name
+            assert torch.equal(x, y), (name, b, t, width)
+        assert torch.equal(cat_out, cat_tm), (b, t, width)
+        assert torch.equal(state, conv)
+    if arch == "native":  # graph replay with new rows == eager
+        cat_out.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = gdn_split_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, cat_out)
+        mixed.copy_(torch.randn_like(mixed.float()).half())
+        conv.normal_()
+        graph.replay()
+        eager_cat = torch.empty_like(cat_out)
+        eager = gdn_split_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, eager_cat)
+        torch.cuda.synchronize()
+        assert all(torch.equal(x, y) for x, y in zip(outs, eager, strict=True)) and torch.equal(cat_out, eager_cat)
+
+
 def test_graph_replay_equals_eager() -> None:
     from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_prefill_inputs
 
@@ -157,7 +194,7 @@ def test_graph_replay_equals_eager() -> None:
 
 
 def test_bad_inputs_raise() -> None:
-    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_prefill_inputs
+    from dflashgen.runtime.gdn_io import gdn_gate, gdn_inputs, gdn_prefill_inputs, gdn_split_inputs
     from dflashgen.runtime.gdn_kernel import GdnInputError
 
     dims = DIMS[1]
@@ -181,3 +218,10 @@ def test_bad_inputs_raise() -> None:
         gdn_prefill_inputs(*wide, dims)
     with pytest.raises(GdnInputError, match="o must be contiguous"):
         gdn_gate(torch.randn(2, 4, dims[2], dims[3], device="cuda").transpose(0, 1), zba, dt_bias, 1e-6)
+    cat_out = torch.empty(2, WIDTH - 1 + 4, conv.shape[1], device="cuda")
+    with pytest.raises(GdnInputError, match="cat_out must be contiguous float32"):
+        gdn_split_inputs(conv, mixed, zba2, conv_w2, dt_bias2, neg_a2, dims, cat_out[:, 1:])
+    with pytest.raises(GdnInputError, match="cat_out must be contiguous float32"):
+        gdn_split_inputs(conv, mixed, zba2, conv_w2, dt_bias2, neg_a2, dims, cat_out.half())
+    with pytest.raises(GdnInputError, match="mixed must be float16"):
+        gdn_split_inputs(conv, mixed.float(), zba2, conv_w2, dt_bias2, neg_a2, dims, cat_out)

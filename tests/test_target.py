@@ -344,24 +344,30 @@ def test_glue_kernel_wiring_on_cpu_is_the_unfused_path(ckpt: Path, monkeypatch: 
             return f(*a, **k)
         return spy
 
-    names = ("add_rmsnorm", "gdn_inputs", "gdn_prefill_inputs", "gdn_gate", "qk_norm_rope")
+    names = ("add_rmsnorm", "gdn_inputs", "gdn_prefill_inputs", "gdn_split_inputs", "gdn_gate", "qk_norm_rope")
     for name in names:
         monkeypatch.setattr(target_mod, name, counted(name, getattr(target_mod, name)))
     m = TargetModel.from_checkpoint(ckpt, CFG, load_deployment("nvfp4"), seed=5, act_dtype=torch.float16)
     toks = _tokens(12, seed=3, batch=2)
     out = {}
-    for fused in (False, True):
-        m.fused_norm = m.gdn_io = m.gdn_prefill_io = m.fused_qk = fused
+    # the armed verify forward's inputs: torch's cat + the inputs launcher ("io"), or the launcher that
+    # reads the conv state and the FP16 rows and writes the cat itself ("split")
+    launched = {"torch": set(), "io": set(names) - {"gdn_split_inputs"}, "split": set(names) - {"gdn_inputs"}}
+    for glue, want in launched.items():
+        seen.clear()
+        m.fused_norm = m.gdn_io = m.gdn_prefill_io = m.fused_qk = glue != "torch"
+        m.gdn_split_io = glue == "split"
         st = DecodeState(CFG, 2, 32, "cpu", torch.float16)  # an FP16 cache, as on a GPU
         # an unarmed ragged prefill (the prefill inputs launcher: conv state moved to num_new)
         logits = m(toks[:, :9], st, num_new=torch.tensor([9, 6]))
         st.checkpoint(3)
-        logits2 = m(toks[:, 9:], st)  # an armed 3-position verify forward (the cat + inputs launcher)
-        out[fused] = (logits, logits2, _state_tensors(st, 0) + _state_tensors(st, 1))
-        assert bool(seen) == fused and (not fused or set(seen) == set(names)), seen
-    for a, b in zip(out[False][:2], out[True][:2], strict=True):
-        assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(out[False][2], out[True][2], strict=True))
+        logits2 = m(toks[:, 9:], st)  # an armed 3-position verify forward
+        st.rollback(torch.tensor([10, 8]))  # from the conv inputs the verify forward kept
+        out[glue] = (logits, logits2, _state_tensors(st, 0) + _state_tensors(st, 1))
+        assert set(seen) == want, (glue, seen)
+    for glue in ("io", "split"):
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"][:2], out[glue][:2], strict=True)), glue
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"][2], out[glue][2], strict=True)), glue
 
 
 def test_grouped_heads_go_native_only_where_cudnn_attention_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -140,6 +140,50 @@ __device__ __forceinline__ void inputs(const float* __restrict__ cat, int width,
   }
 }
 
+// inputs of an armed verify / decode forward, without torch's cat: tap r of request b (cat row r) comes
+// from the conv state `conv` ([B, C, W - 1] FP32) for r < W - 1, else from the in_proj output's FP16
+// row r - (W - 1) (`mixed`, row stride `mixed_row`; the upcast is exact), so the taps -- and every
+// position's arithmetic, `inputs`' own -- are the values `inputs` reads from the cat: the same bits.
+// The cat itself goes to `cat_out` ([B, W - 1 + T, C] FP32, the rollback buffer), each element once:
+// position t's warps write row W - 1 + t of their channels, position 0's also the W - 1 state rows.
+// The conv state is only read.
+template <int WARPS>
+__device__ __forceinline__ void split_inputs(const float* __restrict__ conv, const __half* __restrict__ mixed,
+                                             long long mixed_row, float* __restrict__ cat_out, int width, int c,
+                                             int t_len, const Terms& a) {
+  const int pos = blockIdx.x;  // b * T + t
+  const int b = pos / t_len, t = pos - b * t_len;
+  const int lane = threadIdx.x & 31;
+  const int unit = blockIdx.y * WARPS + (threadIdx.x >> 5);
+  const int hold = width - 1;
+  const auto tap = [&](int r, int ch) -> float {  // cat row r, channel ch
+    return r < hold ? conv[(static_cast<long long>(b) * c + ch) * hold + r]
+                    : __half2float(mixed[(static_cast<long long>(b) * t_len + (r - hold)) * mixed_row + ch]);
+  };
+  if (unit < 2 * a.nk + a.nv) {
+    const Unit u = unit_at(unit, pos, a);
+    float val[PER_LANE];
+    const float ss = silu_conv(val, u.d, lane, [&](int, int ch) {
+      const int cc = u.ch0 + ch;
+      const float* __restrict__ wc = a.conv_w + static_cast<long long>(cc) * width;
+      float acc = __fmul_rn(tap(t, cc), wc[0]);
+      for (int j = 1; j < width; ++j) acc = __fadd_rn(acc, __fmul_rn(tap(t + j, cc), wc[j]));
+      return acc;
+    });
+    store_unit(val, ss, u, a.l2_eps, lane);
+    float* __restrict__ rows = cat_out + static_cast<long long>(b) * (hold + t_len) * c;
+    for (int ch = u.ch0 + lane; ch < u.ch0 + u.d; ch += 32) {
+      rows[static_cast<long long>(hold + t) * c + ch] = tap(hold + t, ch);
+      if (t == 0) {
+        for (int r = 0; r < hold; ++r) rows[static_cast<long long>(r) * c + ch] = tap(r, ch);
+      }
+    }
+  }
+  if (blockIdx.y == 0) {
+    for (int h = threadIdx.x; h < a.nv; h += WARPS * 32) gate_terms(pos, h, a);
+  }
+}
+
 // inputs for a prefill, without the FP32 conv-input tensor: the W - 1 oldest taps of the first
 // positions come from the conv state `conv` ([B, C, W - 1] FP32), the rest from the in_proj output's
 // FP16 rows (`mixed`, row stride `mixed_row`; upcast exactly, so the taps are the values `inputs`
