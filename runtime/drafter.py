@@ -603,7 +603,10 @@ class StaticDFlashDrafter:
         self.positions = positions or cfg.block_size  # verify positions staged per round
         self.sampled = sampled  # sampled requests' drafts drawn from the drafter (q returned); else argmax
         self.label = f"dflash2 block drafter (block {cfg.block_size}, static slots{_draft_kind(sampled)})"
-        self.max_batch, self.capacity = max_batch, max_len + self.positions
+        # a staged round may keep up to `positions` past max_len (the verify overshoot the target's state
+        # holds until the host rolls a finished request back; pipelined rounds draft from it), and the
+        # block forward writes its own K / V after the context
+        self.max_batch, self.capacity = max_batch, max_len + self.positions + cfg.block_size
         dev = model.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         width = len(cfg.target_layers) * cfg.target_hidden_size

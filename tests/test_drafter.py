@@ -318,6 +318,25 @@ def test_static_drafter_is_lossless_and_tracks_contexts(model: TargetModel, bloc
     assert [r.accepted for r in st] == [r.accepted for r in dec_e.stats.rounds]  # the same drafts accepted
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_static_drafter_at_the_length_limit(model: TargetModel, block: BlockDrafter, pipeline: bool) -> None:
+    """Requests that run to max_len exactly, one stopping while the other goes on: a pipelined round's
+    staged positions reach past max_len (the verify overshoot the target's state holds until the host
+    rolls the finished request back), and the block forward writes its own K / V after them, so the
+    drafter's cache holds max_len + T + block positions (an index past it raises here, asserts on a GPU)."""
+    from dflashgen.runtime.drafter import StaticDFlashDrafter
+
+    prompts = [_prompt(4, 70), _prompt(14, 71)]  # no waiter: one request stops while the other goes on
+    max_len = 24
+    lengths = [max_len - len(p) for p in prompts]
+    static = StaticDFlashDrafter(block, max_batch=2, max_len=max_len)
+    drafter = ReplayDrafter([plain_greedy(model, p, n + 8) for p, n in zip(prompts, lengths, strict=True)], 1.0,
+                            cost_model=static)
+    dec = SpecDecoder(model, drafter, max_batch=2, max_len=max_len, num_draft=static.num_draft, pipeline=pipeline)
+    assert dec.generate(prompts, GREEDY, lengths) == [plain_greedy(model, p, n) for p, n in
+                                                      zip(prompts, lengths, strict=True)]
+
+
 def test_static_drafter_with_idle_slots(model: TargetModel, block: BlockDrafter) -> None:
     """Requests of different lengths drain unevenly, so rounds run with slot 1 busy and slot 0 idle
     (the drafter picks the busy slots' rows of its batch-2 logits): greedy decoding still equals plain
