@@ -228,6 +228,23 @@ def gdn_inputs(cat_tm: Tensor, zba: Tensor, conv_w: Tensor, dt_bias: Tensor, neg
     return outs
 
 
+def _state_and_rows(conv: Tensor, mixed: Tensor, conv_w: Tensor, dims: GdnDims) -> tuple[int, int, int, int]:
+    """(B, C, W, T) of a conv state ``conv [B, C, W - 1]`` and the FP16 rows ``mixed [B, T, >= C]`` the
+    state-reading input kernels take, else a clear error."""
+    nk, dk, nv, dv = dims
+    b, c, hold = conv.shape
+    width = conv_w.shape[-1]
+    t = mixed.shape[1] if mixed.dim() == 3 else 0
+    if c != 2 * nk * dk + nv * dv or hold != width - 1 or t < 1:
+        raise GdnInputError(f"conv [B, C, W-1] = {tuple(conv.shape)} / mixed {tuple(mixed.shape)} do not fit dims "
+                            f"{dims}, W = {width}")
+    if conv.dtype != torch.float32 or not conv.is_contiguous():
+        raise GdnInputError(f"conv must be contiguous float32, got {conv.dtype} strides {conv.stride()}")
+    if mixed.dtype != torch.float16 or mixed.device != conv.device:
+        raise GdnInputError(f"mixed must be float16 on {conv.device}, got {mixed.dtype} on {mixed.device}")
+    return b, c, width, t
+
+
 def split_inputs_available(device: torch.device | str, dk: int, dv: int, arch: int | None = None) -> bool:
     """Whether :func:`gdn_split_inputs` launches a kernel here (manifest only): an io entry that has it."""
     e = entry_here(device, arch, "DFLASHGEN_GDN_ARCH", GdnInputError, _entry)
@@ -245,16 +262,8 @@ def gdn_split_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor, d
     nk, dk, nv, dv = dims
     if conv.device.type != "cuda":
         return reference_split_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, cat_out)
-    b, c, hold = conv.shape
-    width = conv_w.shape[-1]
-    t = mixed.shape[1] if mixed.dim() == 3 else 0
-    if c != 2 * nk * dk + nv * dv or hold != width - 1 or t < 1:
-        raise GdnInputError(f"conv [B, C, W-1] = {tuple(conv.shape)} / mixed {tuple(mixed.shape)} do not fit dims "
-                            f"{dims}, W = {width}")
-    if conv.dtype != torch.float32 or not conv.is_contiguous():
-        raise GdnInputError(f"conv must be contiguous float32, got {conv.dtype} strides {conv.stride()}")
-    if mixed.dtype != torch.float16 or mixed.device != conv.device:
-        raise GdnInputError(f"mixed must be float16 on {conv.device}, got {mixed.dtype} on {mixed.device}")
+    b, c, width, t = _state_and_rows(conv, mixed, conv_w, dims)
+    hold = width - 1
     if (cat_out.dtype != torch.float32 or tuple(cat_out.shape) != (b, hold + t, c) or not cat_out.is_contiguous()
             or cat_out.device != conv.device):
         raise GdnInputError(f"cat_out must be contiguous float32 {[b, hold + t, c]} on {conv.device}, got "
@@ -293,16 +302,7 @@ def gdn_prefill_inputs(conv: Tensor, mixed: Tensor, zba: Tensor, conv_w: Tensor,
     nk, dk, nv, dv = dims
     if conv.device.type != "cuda":
         return reference_prefill_inputs(conv, mixed, zba, conv_w, dt_bias, neg_a, dims, n)
-    b, c, hold = conv.shape
-    width = conv_w.shape[-1]
-    t = mixed.shape[1] if mixed.dim() == 3 else 0
-    if c != 2 * nk * dk + nv * dv or hold != width - 1 or t < 1:
-        raise GdnInputError(f"conv [B, C, W-1] = {tuple(conv.shape)} / mixed {tuple(mixed.shape)} do not fit dims "
-                            f"{dims}, W = {width}")
-    if conv.dtype != torch.float32 or not conv.is_contiguous():
-        raise GdnInputError(f"conv must be contiguous float32, got {conv.dtype} strides {conv.stride()}")
-    if mixed.dtype != torch.float16 or mixed.device != conv.device:
-        raise GdnInputError(f"mixed must be float16 on {conv.device}, got {mixed.dtype} on {mixed.device}")
+    b, c, width, t = _state_and_rows(conv, mixed, conv_w, dims)
     mixed_row = _rows("mixed", mixed, b, t, c)
     row = _check_terms(zba, conv_w, dt_bias, neg_a, b, t, c, width, dims, conv.device)
     if n is not None and (n.dtype != torch.long or tuple(n.shape) != (b,) or n.device != conv.device):
