@@ -341,8 +341,8 @@ class BlockDrafter(torch.nn.Module):
         return (e[tokens] if isinstance(e, Tensor) else e(tokens)).float()
 
     def logits(self, h: Tensor) -> Tensor:
-        # contiguous: a strided [B, S, H] view (the block's mask positions) would run as B GEMMs, each
-        # reading the whole lm_head (~0.6 ms per request at Qwen3.8's 248K vocabulary)
+        # contiguous: for a strided [B, S, H] view (the block's mask positions) cuBLAS picked a
+        # narrow-tile kernel passing over the 2.5 GB lm_head ~B times (H200: 2.45 vs 0.63 ms at B4)
         lm = self._shared[1]
         return lm(h.to(self.act_dtype).contiguous()).float()
 
