@@ -182,6 +182,58 @@ def test_graphs_equal_eager_and_sampler_paths(target) -> None:
     assert outs[True, "compact"] == outs[True, "dense"]  # same uniforms -> same tokens
 
 
+def test_fp16_drafter_on_the_glue_kernels_tracks_the_fp32_reference(target) -> None:
+    """The FP16 block drafter's static forward on CUDA -- add-RMSNorm and SiLU-mul on the generated
+    kernels, the block's K / V written into an FP16 cache, FP16 scores -- against the FP32 per-request
+    reference forward with the same weights (relative L2 of the final hidden states, FP16 GEMM
+    rounding), with the kernels seen to run; and the rows past each slot's block left as they were."""
+    from unittest import mock
+
+    from dflashgen.runtime import drafter as drafter_mod
+    from dflashgen.runtime.decode_bench import _block_drafter
+
+    block = _block_drafter(target, 3)
+    cfg = block.cfg
+    ref = drafter_mod.BlockDrafter.for_target(target, cfg, seed=3, dtype=torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in block.state_dict().items()})  # the same (FP16) weights
+    g = torch.Generator(device="cuda").manual_seed(4)
+    lens, cap, s = [37, 0, 90], 112, cfg.block_size
+    x = torch.randn(len(lens), s, cfg.hidden_size, generator=g, device="cuda")
+    per_request = [[(torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g, device="cuda"),
+                     torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g, device="cuda"))
+                    for _ in range(cfg.num_layers)] for n in lens]
+    static = []
+    for li in range(cfg.num_layers):
+        kc = torch.randn(len(lens), cfg.num_kv_heads, cap, cfg.head_dim, generator=g, device="cuda").half()
+        vc = torch.randn(len(lens), cfg.num_kv_heads, cap, cfg.head_dim, generator=g, device="cuda").half()
+        for r, n in enumerate(lens):
+            kc[r, :, :n] = per_request[r][li][0].transpose(0, 1).half()
+            vc[r, :, :n] = per_request[r][li][1].transpose(0, 1).half()
+        static.append((kc, vc))
+    past = [kv[r, :, n + s:].clone() for pair in static for kv in pair for r, n in enumerate(lens)]
+    calls = {"add_rmsnorm": 0, "silu_mul_cat": 0}
+
+    def counted(name):  # noqa: ANN001, ANN202
+        f = getattr(drafter_mod, name)
+
+        def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return f(*a, **k)
+        return spy
+
+    with mock.patch.object(drafter_mod, "add_rmsnorm", counted("add_rmsnorm")), \
+            mock.patch.object(drafter_mod, "silu_mul_cat", counted("silu_mul_cat")):
+        got = block.forward_embeds_static(x, torch.tensor(lens, device="cuda"), static)
+    want = ref.forward_embeds(x, lens, [[(k.half().float(), v.half().float()) for k, v in req] for req in per_request])
+    torch.cuda.synchronize()
+    assert got.dtype == torch.float16 and not got.isnan().any()
+    assert calls == {"add_rmsnorm": 2 * cfg.num_layers + 1, "silu_mul_cat": cfg.num_layers}, calls
+    rel = float((got.float() - want.float()).norm() / want.float().norm())
+    assert rel <= 1e-2, rel  # FP16 activations and scores (CPU, tiny drafter: ~6e-4)
+    assert all(torch.equal(a, b) for a, b in zip(past, [kv[r, :, n + s:] for pair in static for kv in pair
+                                                          for r, n in enumerate(lens)], strict=True))
+
+
 def test_static_drafter_graphs_equal_eager(target) -> None:
     from dflashgen.runtime.decode_bench import _block_drafter
     from dflashgen.runtime.drafter import StaticDFlashDrafter
