@@ -13,7 +13,10 @@ manifest ``kind: "qk_rope"``; logic in ``qk_norm_rope.cuh``, launched by ``runti
 heads, head dim (<= 256) and rotary dim at run time.
 
 Plus one SiLU(gate) * up kernel per arch, ``templates/silu_mul.cu.j2`` (``dfg_sm90_silumul_t256``, manifest
-``kind: "silu_mul"``; ``silu_mul.cuh``): the glue after a projection served by dequantize + cuBLAS.
+``kind: "silu_mul"``; ``silu_mul.cuh``): the glue after a projection served by dequantize + cuBLAS; and
+one attention output gate kernel per arch, ``templates/sigmoid_mul.cu.j2`` (``dfg_sm90_sigmoidmul_t256``,
+manifest ``kind: "sigmoid_mul"``; ``silu_mul.cuh``): o * sigmoid(gate) between the verify attention and
+o_proj.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .model import load_model_config
 from .render import FamilyKernel, _env
 
 __all__ = ["ARCHS", "QK_MAX_D", "QK_WARPS", "SILU_THREADS", "THREADS", "family_kernels", "hidden_sizes",
-           "kernel_name", "qk_kernel_name", "silu_kernel_name"]
+           "kernel_name", "qk_kernel_name", "sigmoid_kernel_name", "silu_kernel_name"]
 
 ARCHS = (70, 80, 90)
 # One CTA per row: at decode sizes (8-64 rows) few CTAs, so many threads per row keep enough 16-byte
@@ -69,6 +72,15 @@ def render_silu(arch: int) -> str:
         version=__version__, name=silu_kernel_name(arch), arch=arch, threads=SILU_THREADS)
 
 
+def sigmoid_kernel_name(arch: int) -> str:
+    return f"dfg_sm{arch}_sigmoidmul_t{SILU_THREADS}"
+
+
+def render_sigmoid(arch: int) -> str:
+    return _env().get_template("sigmoid_mul.cu.j2").render(
+        version=__version__, name=sigmoid_kernel_name(arch), arch=arch, threads=SILU_THREADS)
+
+
 def family_kernels() -> list[FamilyKernel]:
     norms = [FamilyKernel(kernel_name(arch, hidden), arch, render(arch, hidden),
                           {"kind": "add_rmsnorm", "hidden": hidden, "threads": THREADS})
@@ -78,4 +90,6 @@ def family_kernels() -> list[FamilyKernel]:
           for arch in ARCHS]
     silu = [FamilyKernel(silu_kernel_name(arch), arch, render_silu(arch), {"kind": "silu_mul", "threads": SILU_THREADS})
             for arch in ARCHS]
-    return norms + qk + silu
+    gate = [FamilyKernel(sigmoid_kernel_name(arch), arch, render_sigmoid(arch),
+                         {"kind": "sigmoid_mul", "threads": SILU_THREADS}) for arch in ARCHS]
+    return norms + qk + silu + gate

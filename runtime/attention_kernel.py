@@ -36,6 +36,7 @@ __all__ = [
     "attention_entries",
     "check_inputs",
     "dense_verify_attention",
+    "dense_verify_serves",
     "device_errors",
     "entry_rule",
     "kernel_arch",
@@ -388,6 +389,14 @@ def _warn_reference(what: str) -> None:
                 "%d-token pages and served heads): using the FP32 reference", what, DENSE_PAGE)
 
 
+def dense_verify_serves(device: torch.device, hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`dense_verify_attention` runs the generated kernel for ``hq`` query heads over these
+    caches ``[B, max_len, Hkv, D]`` on ``device`` (else it returns None)."""
+    _, max_len, hkv, d = k_cache.shape
+    return (max_len % DENSE_PAGE == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and kernel_supported(device, hq, hkv, d, k_cache.dtype, DENSE_PAGE))
+
+
 def dense_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            lengths: torch.Tensor) -> torch.Tensor | None:
     """Verify attention over contiguous per-request caches ``[B, max_len, Hkv, D]`` (the target model's
@@ -396,8 +405,7 @@ def dense_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel applies (CPU, FP32 cache, unserved heads): the caller uses its reference path."""
     b, t, hq, d = q.shape
     _, max_len, hkv, _ = k_cache.shape
-    if (max_len % DENSE_PAGE or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-            or not kernel_supported(q.device, hq, hkv, d, k_cache.dtype, DENSE_PAGE)):
+    if not dense_verify_serves(q.device, hq, k_cache, v_cache):
         if q.is_cuda:
             _warn_reference(f"cache [{b}, {max_len}, {hkv}, {d}] {k_cache.dtype}"
                             f"{'' if k_cache.is_contiguous() else ' (non-contiguous)'}")

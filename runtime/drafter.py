@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .host import tensor_on, to_device
 from .library import silu_mul, silu_mul_cat
-from .norm_kernel import add_rmsnorm, fused_available
+from .norm_kernel import add_rmsnorm, fused_available, qk_norm_rope, qk_rope_available
 from .sampling import SamplingParams, sample_categorical, target_probs
 from .spec_decode import RequestContext
 from .target import TargetModel
@@ -364,16 +364,14 @@ class BlockDrafter(torch.nn.Module):
             out.append((k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
-    def _layers_forward(self, x: Tensor, rope: tuple[Tensor, Tensor],
-                        attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def _layers_forward(self, x: Tensor, attend: Callable[[int, Any, Tensor], Tensor]) -> Tensor:
         """The decoder layers over block embeddings ``x [B, S, H]`` -> final-normed hidden states in the
-        projections' dtype; ``attend(li, q, k, v)`` -> ``[B, S, heads * D]`` in that dtype is layer li's
-        attention of the block's normed, rotated q / k (FP32) and v."""
+        projections' dtype; ``attend(li, layer, y)`` -> ``[B, S, heads * D]`` in that dtype is layer li's
+        attention of the block's normed input ``y`` (its q / k / v: :meth:`_block_qkv`)."""
         h, r = x.float(), None
         for li, layer in enumerate(self._layers()):
             h, y = self._add_norm(h, r, layer.input_layernorm)
-            q, k, v = self._block_qkv(li, layer, y, rope)
-            r = self._proj(layer.self_attn.o_proj, attend(li, q, k, v))
+            r = self._proj(layer.self_attn.o_proj, attend(li, layer, y))
             h, y = self._add_norm(h, r, layer.post_attention_layernorm)
             r = self._mlp(li, layer, y)
         return self._add_norm(h, r, self.norm)[1]
@@ -388,7 +386,10 @@ class BlockDrafter(torch.nn.Module):
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = torch.tensor(list(start), dtype=torch.long, device=x.device)[:, None] + torch.arange(s, device=x.device)
 
-        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rope = self._rope_tables(pos)
+
+        def attend(li: int, layer: Any, y: Tensor) -> Tensor:
+            q, k, v = self._block_qkv(li, layer, y, rope)
             o = torch.empty(b, s, nh, d, device=x.device)
             for r in range(b):  # per request over its own context: batch composition cannot change its math
                 kc, vc = context[r][li]
@@ -399,7 +400,7 @@ class BlockDrafter(torch.nn.Module):
                 o[r] = (p @ vr).permute(2, 0, 1, 3).reshape(s, nh, d)
             return o.view(b, s, nh * d).to(v.dtype)
 
-        return self._layers_forward(x, self._rope_tables(pos), attend)
+        return self._layers_forward(x, attend)
 
     def _block_qkv(self, li: int, layer: Any, y: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """Drafter layer ``li``'s normed, rotated q [B, S, H, D] and k [B, S, Hkv, D] (FP32) and v [B, S,
@@ -431,20 +432,38 @@ class BlockDrafter(torch.nn.Module):
         cap = context[0][0].shape[2]
         hidden = (torch.arange(cap, device=x.device) >= (ctx_len + s)[:, None])[:, None, None]  # [B, 1, 1, cap]
         rows = torch.arange(b, device=x.device)[:, None]
+        ct = context[0][0].dtype
+        rope = self._rope_tables(pos)
+        fused = self._fused_qk(x.device, ct)
+        if fused:  # the kernel reads the first halves of cos and of +sin: [sin | -sin]
+            pos, ksin = pos.long().contiguous(), rope[1].roll(d // 2, -1)
 
-        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(li: int, layer: Any, y: Tensor) -> Tensor:
             kc, vc = context[li]  # [B, Hkv, cap, D]
-            ct = kc.dtype
-            kc[rows, :, pos] = k.to(ct)  # [rows, :, pos] indexes as [B, S, Hkv, D]
-            vc[rows, :, pos] = v.to(ct)
-            qr = torch.empty((b, nkv, g, s, d), dtype=ct, device=x.device)  # grouped by KV head, scaled
-            torch.mul(q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4), d**-0.5, out=qr)
+            att = layer.self_attn
+            qr = torch.empty((b, nh, s, d), dtype=ct, device=x.device)  # [B, Hkv, G, S, D]: grouped, scaled
+            qkv = self._group(li, 0, (att.q_proj, att.k_proj, att.v_proj), y) if fused else None
+            if qkv is not None:  # q / k norms, RoPE, scaled q and the block's K / V cache rows in one launch
+                qk_norm_rope(qkv, (nh, nkv), d, False, d, att.q_norm.weight, att.k_norm.weight, self.cfg.rms_norm_eps,
+                             rope[0], ksin, pos, kc, vc, q_out=qr.transpose(1, 2), q_scale=d**-0.5, head_major=True)
+            else:
+                q, k, v = self._block_qkv(li, layer, y, rope)
+                kc[rows, :, pos] = k.to(ct)  # [rows, :, pos] indexes as [B, S, Hkv, D]
+                vc[rows, :, pos] = v.to(ct)
+                torch.mul(q.view(b, s, nkv, g, d).permute(0, 2, 3, 1, 4), d**-0.5, out=qr.view(b, nkv, g, s, d))
             sc = (qr.view(b, nkv, g * s, d) @ kc.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
             p = sc.softmax(-1, dtype=torch.float32).to(ct)  # no causal mask: the block sees itself
             o = (p @ vc).view(b, nkv, g, s, d).permute(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]
-            return o.reshape(b, s, nh * d).to(v.dtype)
+            return o.reshape(b, s, nh * d).to(att.o_proj.weight.dtype)
 
-        return self._layers_forward(x, self._rope_tables(pos), attend)
+        return self._layers_forward(x, attend)
+
+    def _fused_qk(self, device: torch.device, cache_dtype: torch.dtype) -> bool:
+        """Whether the static block forward runs each layer's q / k norms, RoPE and cache writes as the
+        target's generated qk-norm-RoPE launch: FP16 projections and cache on a GPU with one (head dim
+        <= its maximum); ``$DFLASHGEN_FUSED_QK=0``: torch's ops, as for the target."""
+        return (self.fc.weight.dtype is torch.float16 and cache_dtype is torch.float16 and device.type == "cuda"
+                and os.environ.get("DFLASHGEN_FUSED_QK", "1") != "0" and qk_rope_available(device, self.cfg.head_dim))
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, start: Sequence[int], context: Sequence[KV]) -> Tensor:

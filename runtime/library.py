@@ -26,7 +26,7 @@ from dflashgen.weights import FP8ChannelWeight, NVFP4Weight
 from .dequant_kernel import DequantCache, dequantize
 from .images import resolve
 from .kernels import GemmKernel, GemmLaunch, native_arch
-from .norm_kernel import fused_silu_mul, silu_mul_fits
+from .norm_kernel import fused_sigmoid_mul, fused_silu_mul, sigmoid_mul_fits, silu_mul_fits
 from .table import Choice, TableError, TuningTable, problem_key, slug
 
 log = logging.getLogger("dflashgen")
@@ -87,6 +87,15 @@ def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     the upcast copies or the FP32 product in memory (the multiply's loads and store convert)."""
     shape = torch.broadcast_shapes(a.shape, b.shape)
     return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``o * sigmoid(gate)`` in FP32, rounded once to ``dtype`` (the gated attention's output gate, o [...,
+    H, D], gate of o's shape): on CUDA for FP32 o and an FP16 gate one generated launch with the same bits
+    (:func:`~.norm_kernel.fused_sigmoid_mul`), else torch's ops."""
+    if dtype is torch.float16 and sigmoid_mul_fits(o, gate):
+        return fused_sigmoid_mul(o, gate, check=False)
+    return mul_to(o, torch.sigmoid(gate.float()), dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from .driver import ArgPack, current_stream
 from .images import entry_here, family_entries, load_module, loaded_kernel, serving_arch
 
-__all__ = ["NormInputError", "add_rmsnorm", "fused_available", "qk_norm_rope", "qk_rope_available",
-           "fused_silu_mul", "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_", "silu_mul_fits"]
+__all__ = ["NormInputError", "add_rmsnorm", "fused_available", "fused_sigmoid_mul", "fused_silu_mul", "qk_norm_rope",
+           "qk_rope_available", "reference_add_rmsnorm", "reference_qk_norm_rope", "rope_", "sigmoid_mul_fits",
+           "silu_mul_fits"]
 
 Tensor = torch.Tensor
 
@@ -189,7 +190,8 @@ class _QkKernel:
         self.name, self.warps = entry["name"], int(entry["warps"])
         self.fn = load_module(entry, device_index).function(self.name)
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        self.args = ArgPack([p, ll, i, i, i, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, p, ll, ll])
+        f = ctypes.c_float
+        self.args = ArgPack([p, ll, i, i, i, i, i, i, p, p, f, p, p, p, p, i, f, ll, ll, ll, p, p, ll, ll, ll])
 
 
 _QK: dict[tuple[int, int], _QkKernel] = {}
@@ -197,31 +199,47 @@ _QK: dict[tuple[int, int], _QkKernel] = {}
 
 def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: int, q_w: Tensor, k_w: Tensor,
                  eps: float, cos: Tensor, sin: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, *,
+                 q_out: Tensor | None = None, q_scale: float = 1.0, head_major: bool = False,
                  arch: int | None = None) -> Tensor:
     """One launch for a full-attention layer's inputs from the q|k|v projection output ``qkv [B, T, N]``
     (FP16, rows evenly spaced, heads ``(Hq, Hkv)``, per q head D or D + D gate channels): q ``[B, T, Hq, D]``
-    FP32 RMS-normed (``q_w``) and rotated (first ``rd`` channels; ``cos`` / ``sin`` ``[B, T, 1, rd]``
-    FP32), k likewise (``k_w``) and v written into the FP16 caches ``kc`` / ``vc`` ``[B, L, Hkv, D]``
-    (contiguous) at ``pos [B, T]`` (int64). Returns q. Off CUDA: :func:`reference_qk_norm_rope`."""
+    RMS-normed (``q_w``), rotated (first ``rd`` channels; ``cos`` / ``sin`` ``[B, T, 1, rd]`` FP32: only
+    their first halves are read) and times ``q_scale`` in FP32, k likewise (``k_w``, unscaled) and v
+    written into the FP16 caches ``kc`` / ``vc`` (contiguous ``[B, L, Hkv, D]``, or ``[B, Hkv, L, D]``
+    with ``head_major``) at ``pos [B, T]`` (int64). q goes into ``q_out`` (a ``[B, T, Hq, D]`` FP32 or
+    FP16 view, any strides with contiguous channels: e.g. the transpose of a ``[B, Hq, T, D]`` tensor),
+    rounded once, or a new FP32 tensor. Returns q. Off CUDA: :func:`reference_qk_norm_rope`."""
     hq, hkv = heads
     b, t, n = qkv.shape
     dev = qkv.device
+    if q_out is not None and (q_out.dtype not in (torch.float32, torch.float16) or tuple(q_out.shape) != (b, t, hq, d)
+                              or q_out.stride(3) != 1 or q_out.device != dev):
+        raise NormInputError(f"q_out must be a float32 / float16 [{b}, {t}, {hq}, {d}] view with contiguous "
+                             f"channels on {dev}, got {q_out.dtype} {tuple(q_out.shape)} strides {q_out.stride()}")
     if dev.type != "cuda":  # torch's ops on the same views
         qg, k, v = qkv[..., :hq * d * (2 if gated else 1) + 2 * hkv * d].split(
             [hq * d * (2 if gated else 1), hkv * d, hkv * d], dim=-1)
         q = qg.reshape(b, t, hq, 2 * d)[..., :d] if gated else qg.reshape(b, t, hq, d)
-        return reference_qk_norm_rope(q, k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d), q_w, k_w, eps, cos, sin,
-                                      rd, pos, kc, vc)
+        cache = (kc.transpose(1, 2), vc.transpose(1, 2)) if head_major else (kc, vc)
+        q = reference_qk_norm_rope(q, k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d), q_w, k_w, eps, cos, sin,
+                                   rd, pos, *cache)
+        if q_scale != 1.0:
+            q = q * q_scale
+        return q if q_out is None else q_out.copy_(q)
     if qkv.dtype != torch.float16 or qkv.stride(2) != 1 or (b > 1 and qkv.stride(0) != t * qkv.stride(1)):
         raise NormInputError(f"qkv must be float16 with contiguous channels and evenly spaced rows, got "
                              f"{qkv.dtype} strides {qkv.stride()}")
     if n < hq * d * (2 if gated else 1) + 2 * hkv * d or rd % 2 or not 0 <= rd <= d:
         raise NormInputError(f"qkv [B, T, {n}] does not hold {hq} + 2 x {hkv} heads of {d} (gated {gated}, rd {rd})")
     for name, c in (("kc", kc), ("vc", vc)):
-        if c.dtype != torch.float16 or c.dim() != 4 or c.shape[0] != b or tuple(c.shape[2:]) != (hkv, d) \
-                or not c.is_contiguous() or c.device != dev:
-            raise NormInputError(f"{name} must be a contiguous float16 cache [{b}, L, {hkv}, {d}] on {dev}, got "
+        heads_dim = (c.shape[1], c.shape[3]) if head_major and c.dim() == 4 else tuple(c.shape[2:])
+        if (c.dtype != torch.float16 or c.dim() != 4 or c.shape[0] != b or heads_dim != (hkv, d)
+                or not c.is_contiguous() or c.device != dev):
+            layout = f"[{b}, {hkv}, L, {d}]" if head_major else f"[{b}, L, {hkv}, {d}]"
+            raise NormInputError(f"{name} must be a contiguous float16 cache {layout} on {dev}, got "
                                  f"{c.dtype} {tuple(c.shape)}")
+    if vc.shape != kc.shape:
+        raise NormInputError(f"kc {tuple(kc.shape)} and vc {tuple(vc.shape)} must have one shape")
     if pos.dtype != torch.long or tuple(pos.shape) != (b, t) or not pos.is_contiguous():
         raise NormInputError(f"pos must be contiguous int64 [{b}, {t}], got {pos.dtype} {tuple(pos.shape)}")
     for name, x, shape in (("cos", cos, (b, t, 1, rd)), ("sin", sin, (b, t, 1, rd)), ("q_w", q_w, (d,)),
@@ -237,14 +255,16 @@ def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: i
             raise NormInputError(f"no sm_{a_} q / k norm + RoPE kernel for head dim {d}: run `dflashgen generate`")
         _QK[(a_, idx)] = _QkKernel(e, idx)
     kern = _QK[(a_, idx)]
-    q = torch.empty((b, t, hq, d), device=dev)
+    q = torch.empty((b, t, hq, d), device=dev) if q_out is None else q_out
     if b * t == 0:
         return q
+    # cache strides (request, position, head) in elements
+    kv_b, kv_l, kv_h = (kc.stride(0), kc.stride(2), kc.stride(1)) if head_major else kc.stride()[:3]
     a = kern.args
     with a.lock:
         vals = (qkv.data_ptr(), qkv.stride(1), t, hq, hkv, d, int(gated), rd, q_w.data_ptr(), k_w.data_ptr(), eps,
-                cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-                kc.stride(0), kc.stride(1))
+                cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), q.data_ptr(), int(q.dtype == torch.float16),
+                q_scale, *q.stride()[:3], kc.data_ptr(), vc.data_ptr(), kv_b, kv_l, kv_h)
         for slot, val in zip(a.values, vals, strict=True):
             slot.value = val
         kern.fn.launch_pack((b * t, -(-(hq + 2 * hkv) // kern.warps), 1), (32 * kern.warps, 1, 1), a,
@@ -256,28 +276,57 @@ def qk_norm_rope(qkv: Tensor, heads: tuple[int, int], d: int, gated: bool, rd: i
 
 
 @cache
+def _kind_entry(kind: str, arch: int) -> dict[str, Any] | None:
+    return next((e for e in family_entries("norm").values() if e.get("kind") == kind and e["arch"] == arch), None)
+
+
 def _silu_entry(arch: int) -> dict[str, Any] | None:
-    return next((e for e in family_entries("norm").values() if e.get("kind") == "silu_mul" and e["arch"] == arch),
-                None)
+    return _kind_entry("silu_mul", arch)
 
 
-class _SiluKernel:
+def _sigmoid_entry(arch: int) -> dict[str, Any] | None:
+    return _kind_entry("sigmoid_mul", arch)
+
+
+class _GlueKernel:
+    """A loaded grid-stride glue kernel (SiLU-mul, sigmoid-mul) with persistent launch arguments."""
+
+    ARGS: list[Any] = []
+
     def __init__(self, entry: dict[str, Any], device_index: int) -> None:
         self.name, self.threads = entry["name"], int(entry["threads"])
         self.fn = load_module(entry, device_index).function(self.name)
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self.args = ArgPack([p, ctypes.c_longlong, i, i, p])
+        self.args = ArgPack(self.ARGS)
+
+    def launch(self, steps: int, vals: tuple[Any, ...], idx: int) -> None:
+        a = self.args
+        with a.lock:
+            for slot, val in zip(a.values, vals, strict=True):
+                slot.value = val
+            self.fn.launch_pack((min(_GLUE_CTAS, -(-steps // self.threads)), 1, 1), (self.threads, 1, 1), a,
+                                current_stream(idx))
+
+
+class _SiluKernel(_GlueKernel):
+    ARGS = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+class _SigmoidKernel(_GlueKernel):
+    ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_void_p]
 
 
 _SILU: dict[tuple[int, int], _SiluKernel] = {}
-_SILU_CTAS = 4096  # grid-stride: enough CTAs to fill any GPU several times over, few enough to launch fast
+_SIGMOID: dict[tuple[int, int], _SigmoidKernel] = {}
+_GLUE_CTAS = 4096  # grid-stride: enough CTAs to fill any GPU several times over, few enough to launch fast
 
 
 @cache
-def _silu_here(device: torch.device, arch: int | None, env: str) -> bool:
-    """A SiLU-mul kernel for this device's serving arch (manifest only; ``env``: $DFLASHGEN_NORM_ARCH,
-    part of the key so a changed override is looked up again)."""
-    return entry_here(device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry) is not None
+def _glue_here(kind: str, device: torch.device, arch: int | None, env: str) -> bool:
+    """A glue kernel of ``kind`` for this device's serving arch (manifest only; ``env``:
+    $DFLASHGEN_NORM_ARCH, part of the key so a changed override is looked up again)."""
+    return entry_here(device, arch, "DFLASHGEN_NORM_ARCH", NormInputError,
+                      lambda a: _kind_entry(kind, a)) is not None
 
 
 def silu_mul_fits(y: Tensor, arch: int | None = None) -> bool:
@@ -288,7 +337,7 @@ def silu_mul_fits(y: Tensor, arch: int | None = None) -> bool:
         return False
     if not (y.is_contiguous() or (y.dim() == 2 and y.stride(1) == 1 and y.stride(0) % 8 == 0)):
         return False
-    return _silu_here(y.device, arch, os.environ.get("DFLASHGEN_NORM_ARCH", ""))
+    return _glue_here("silu_mul", y.device, arch, os.environ.get("DFLASHGEN_NORM_ARCH", ""))
 
 
 def fused_silu_mul(y: Tensor, *, arch: int | None = None, check: bool = True) -> Tensor:
@@ -308,12 +357,56 @@ def fused_silu_mul(y: Tensor, *, arch: int | None = None, check: bool = True) ->
         return out
     kern, idx = loaded_kernel(_SILU, y.device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _silu_entry, _SiluKernel,
                               "SiLU-mul kernel")
-    steps = rows * (cols // 8)
-    a = kern.args
-    with a.lock:
-        vals = (flat.data_ptr(), flat.stride(0), rows, cols, out.data_ptr())
-        for slot, val in zip(a.values, vals, strict=True):
-            slot.value = val
-        kern.fn.launch_pack((min(_SILU_CTAS, -(-steps // kern.threads)), 1, 1), (kern.threads, 1, 1), a,
-                            current_stream(idx))
+    kern.launch(rows * (cols // 8), (flat.data_ptr(), flat.stride(0), rows, cols, out.data_ptr()), idx)
+    return out
+
+
+# --------------------------------------------------------------------------- attention output gate
+
+
+def _gate_rows(gate: Tensor) -> Tensor | None:
+    """``gate [..., H, D]`` as a ``[rows, H, D]`` view (the leading dims flattened: evenly spaced rows,
+    as the q|gate projection's [B, T] rows are), or None where no view does that."""
+    try:
+        return gate.view(-1, *gate.shape[-2:])
+    except RuntimeError:
+        return None
+
+
+def sigmoid_mul_fits(o: Tensor, gate: Tensor, arch: int | None = None) -> bool:
+    """Whether :func:`fused_sigmoid_mul` runs the generated kernel: CUDA, ``o [..., H, D]`` FP32
+    contiguous, ``gate`` FP16 of o's shape with contiguous channels, its heads and rows (the leading
+    dims flattened, evenly spaced) a multiple of 4 channels apart, 8-byte aligned, D % 4 == 0, a
+    kernel for the serving arch."""
+    if (o.device.type != "cuda" or o.dtype != torch.float32 or not o.is_contiguous() or o.dim() < 2
+            or gate.dtype != torch.float16 or gate.shape != o.shape or gate.device != o.device
+            or o.shape[-1] % 4 or gate.stride(-1) != 1 or gate.data_ptr() % 8):
+        return False
+    rows = _gate_rows(gate)
+    if rows is None or rows.stride(0) % 4 or rows.stride(1) % 4:
+        return False
+    return _glue_here("sigmoid_mul", o.device, arch, os.environ.get("DFLASHGEN_NORM_ARCH", ""))
+
+
+def fused_sigmoid_mul(o: Tensor, gate: Tensor, *, arch: int | None = None, check: bool = True) -> Tensor:
+    """``(o * sigmoid(gate.float())).half()`` for ``o [..., H, D]`` FP32 and the FP16 ``gate`` of that
+    shape (:func:`sigmoid_mul_fits`; ``check=False``: the caller asked it already): one generated
+    launch with torch's arithmetic op for op where torch takes an upcast copy, a sigmoid and a
+    multiply. Returns a new contiguous ``[..., H, D]`` FP16 tensor."""
+    if check and not sigmoid_mul_fits(o, gate, arch):
+        raise NormInputError(f"fused_sigmoid_mul takes CUDA float32 o [..., H, D] (contiguous, D % 4 == 0) and a "
+                             f"float16 gate of its shape (contiguous channels, rows and heads 4-channel aligned, "
+                             f"8-byte aligned), got o {o.dtype} {tuple(o.shape)}, gate {gate.dtype} "
+                             f"{tuple(gate.shape)} strides {gate.stride()} on {gate.device}")
+    out = torch.empty(o.shape, dtype=torch.float16, device=o.device)
+    heads, d = o.shape[-2:]
+    rows = o.numel() // max(1, heads * d)
+    if o.numel() == 0:
+        return out
+    kern, idx = loaded_kernel(_SIGMOID, o.device, arch, "DFLASHGEN_NORM_ARCH", NormInputError, _sigmoid_entry,
+                              _SigmoidKernel, "sigmoid-mul kernel")
+    g = _gate_rows(gate)
+    assert g is not None  # sigmoid_mul_fits
+    kern.launch(rows * heads * (d // 4), (o.data_ptr(), g.data_ptr(), g.stride(0), g.stride(1), rows, heads, d,
+                                          out.data_ptr()), idx)
     return out

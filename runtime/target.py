@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from dflashgen.deployment import Deployment
 from dflashgen.model import FULL, GDN_IN_PROJ, ModelConfig
 
-from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention
+from .attention_kernel import DENSE_PAGE, QUERY_ROWS, dense_verify_attention, dense_verify_serves
 from .checkpoint import CheckpointReader, load_model_projections
 from .gdn_io import (
     conv_window,
@@ -90,7 +90,7 @@ from .gdn_kernel import (
     per_value_head,
     prefill_available,
 )
-from .library import KernelLibrary, mul_to, silu_mul_cat
+from .library import KernelLibrary, sigmoid_gate, silu_mul_cat
 from .norm_kernel import (
     add_rmsnorm,
     fused_available,
@@ -735,9 +735,12 @@ class TargetModel(torch.nn.Module):
         q_w, k_w = self.w[f"{p}.q_norm.weight"], self.w[f"{p}.k_norm.weight"]
         if (self.fused_qk and qkv.dtype is torch.float16 and kc.dtype is torch.float16 and vc.dtype is torch.float16
                 and kc.is_contiguous() and vc.is_contiguous()):
-            # q / k norms, RoPE and the cache writes in one generated launch (norm_kernel.qk_norm_rope)
+            # q / k norms, RoPE and the cache writes in one generated launch (norm_kernel.qk_norm_rope); q
+            # in FP16 where the verify kernel takes it (its cast of the FP32 q: the same bits, one launch less)
+            q16 = t <= QUERY_ROWS and dense_verify_serves(x.device, nh, kc, vc)
             q = qk_norm_rope(qkv, (nh, nkv), d, bool(cfg.attn_output_gate), self.rotary_dim, q_w, k_w, self.eps,
-                             cos, sin, pos, kc, vc)
+                             cos, sin, pos, kc, vc,
+                             q_out=torch.empty((b, t, nh, d), dtype=torch.float16, device=x.device) if q16 else None)
         else:
             q = reference_qk_norm_rope(q, k.view(b, t, nkv, d), v.view(b, t, nkv, d), q_w, k_w, self.eps, cos, sin,
                                        self.rotary_dim, pos, kc, vc)
@@ -749,7 +752,7 @@ class TargetModel(torch.nn.Module):
             out = self._attend_fused(q, kc, vc, pos, kv_len)
         o = self._attend(q, kc, vc, pos) if out is None else out  # [B, T, H, D], any strides
         if gate is not None:  # FP32 gate; the product lands contiguous in o_proj's input dtype
-            o = mul_to(o, torch.sigmoid(gate.float()), self.act_dtype)
+            o = sigmoid_gate(o, gate, self.act_dtype)
         # act_dtype out: the residual add upcasts it exactly
         return self._proj(self._p(i, "o_proj"), o.reshape(b, t, nh * d))
 

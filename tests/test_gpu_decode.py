@@ -183,8 +183,9 @@ def test_graphs_equal_eager_and_sampler_paths(target) -> None:
 
 
 def test_fp16_drafter_on_the_glue_kernels_tracks_the_fp32_reference(target) -> None:
-    """The FP16 block drafter's static forward on CUDA -- add-RMSNorm and SiLU-mul on the generated
-    kernels, the block's K / V written into an FP16 cache, FP16 scores -- against the FP32 per-request
+    """The FP16 block drafter's static forward on CUDA -- add-RMSNorm, SiLU-mul and the q / k norm + RoPE
+    (scaled grouped FP16 q, the block's K / V into the head-major FP16 cache) on the generated kernels,
+    FP16 scores -- against the FP32 per-request
     reference forward with the same weights (relative L2 of the final hidden states, FP16 GEMM
     rounding), with the kernels seen to run; and the rows past each slot's block left as they were."""
     from unittest import mock
@@ -211,7 +212,7 @@ def test_fp16_drafter_on_the_glue_kernels_tracks_the_fp32_reference(target) -> N
             vc[r, :, :n] = per_request[r][li][1].transpose(0, 1).half()
         static.append((kc, vc))
     past = [kv[r, :, n + s:].clone() for pair in static for kv in pair for r, n in enumerate(lens)]
-    calls = {"add_rmsnorm": 0, "silu_mul_cat": 0}
+    calls = {"add_rmsnorm": 0, "silu_mul_cat": 0, "qk_norm_rope": 0}
 
     def counted(name):  # noqa: ANN001, ANN202
         f = getattr(drafter_mod, name)
@@ -222,12 +223,14 @@ def test_fp16_drafter_on_the_glue_kernels_tracks_the_fp32_reference(target) -> N
         return spy
 
     with mock.patch.object(drafter_mod, "add_rmsnorm", counted("add_rmsnorm")), \
-            mock.patch.object(drafter_mod, "silu_mul_cat", counted("silu_mul_cat")):
+            mock.patch.object(drafter_mod, "silu_mul_cat", counted("silu_mul_cat")), \
+            mock.patch.object(drafter_mod, "qk_norm_rope", counted("qk_norm_rope")):
         got = block.forward_embeds_static(x, torch.tensor(lens, device="cuda"), static)
     want = ref.forward_embeds(x, lens, [[(k.half().float(), v.half().float()) for k, v in req] for req in per_request])
     torch.cuda.synchronize()
     assert got.dtype == torch.float16 and not got.isnan().any()
-    assert calls == {"add_rmsnorm": 2 * cfg.num_layers + 1, "silu_mul_cat": cfg.num_layers}, calls
+    assert calls == {"add_rmsnorm": 2 * cfg.num_layers + 1, "silu_mul_cat": cfg.num_layers,
+                     "qk_norm_rope": cfg.num_layers}, calls
     rel = float((got.float() - want.float()).norm() / want.float().norm())
     assert rel <= 1e-2, rel  # FP16 activations and scores (CPU, tiny drafter: ~6e-4)
     assert all(torch.equal(a, b) for a, b in zip(past, [kv[r, :, n + s:] for pair in static for kv in pair

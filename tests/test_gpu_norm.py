@@ -178,6 +178,34 @@ def test_qk_norm_rope_positions_are_exact(arch: str | int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("hq", "hkv", "d", "gated", "rd"), [(24, 4, 256, True, 64), (32, 8, 128, False, 128)])
+def test_qk_norm_rope_fp16_q_and_head_major_cache(arch: str | int, hq: int, hkv: int, d: int, gated: bool,
+                                                  rd: int) -> None:
+    """q written as FP16 (the verify kernel's input, the target): the bits of the FP32 q's cast. q
+    scaled into a grouped [B, Hq, T, D] FP16 tensor and K / V into head-major caches (the drafter's
+    block forward): the bits of the FP32 call's (q * scale).half() and of its caches, transposed."""
+    from dflashgen.runtime.norm_kernel import qk_norm_rope
+
+    b, t = 3, 8
+    qkv, pos, cos, sin, q_w, k_w, kc, vc = _qk_case(b, t, hq, hkv, d, gated, rd, seed=31)
+    args = ((hq, hkv), d, gated, rd, q_w, k_w, 1e-6, cos, sin, pos)
+    q32 = qk_norm_rope(qkv, *args, kc, vc, arch=_arch(arch))
+    k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    q16 = torch.full((b, t, hq, d), float("nan"), dtype=torch.float16, device="cuda")
+    qk_norm_rope(qkv, *args, k2, v2, q_out=q16, arch=_arch(arch))
+    length = kc.shape[1]
+    hk = torch.zeros(b, hkv, length, d, dtype=torch.float16, device="cuda")
+    hv = torch.zeros_like(hk)
+    qr = torch.full((b, hq, t, d), float("nan"), dtype=torch.float16, device="cuda")
+    scale = d**-0.5
+    qk_norm_rope(qkv, *args, hk, hv, q_out=qr.transpose(1, 2), q_scale=scale, head_major=True, arch=_arch(arch))
+    torch.cuda.synchronize()
+    assert torch.equal(q16, q32.half()) and torch.equal(k2, kc) and torch.equal(v2, vc)
+    assert torch.equal(qr.transpose(1, 2), (q32 * scale).half())
+    assert torch.equal(hk.transpose(1, 2), kc) and torch.equal(hv.transpose(1, 2), vc)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_silu_mul_kernel_is_torchs_ops_bitwise(arch: str | int) -> None:
     """The SiLU-mul glue kernel (family "norm") returns the bits of torch's composition,
     (silu(gate.float()) * up.float()).half(), for 2-D / 3-D inputs, rows spaced wider than they are
@@ -210,3 +238,40 @@ def test_silu_mul_kernel_is_torchs_ops_bitwise(arch: str | int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want(y)) and not torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sigmoid_gate_kernel_is_torchs_ops_bitwise(arch: str | int) -> None:
+    """The attention output gate kernel (family "norm") returns the bits of torch's composition,
+    (o * sigmoid(gate.float())).half(), with the gate a strided view into a q|gate projection output
+    ([B, T, H, 2D] per head [q | gate]), FP16 gate extremes, overflow to inf, every element written,
+    and inside a CUDA graph; the target's call site (library.sigmoid_gate) serves it."""
+    from dflashgen.runtime.library import sigmoid_gate
+    from dflashgen.runtime.norm_kernel import fused_sigmoid_mul, sigmoid_mul_fits
+
+    def want(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (o * torch.sigmoid(gate.float())).half()
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for b, t, h, d in [(1, 8, 24, 256), (8, 8, 24, 256), (3, 1, 6, 256), (2, 5, 3, 4)]:
+        qg = (torch.randn(b, t, h * 2 * d + 16, generator=g, device="cuda") * 6).half()[..., :h * 2 * d]
+        gate = qg.view(b, t, h, 2 * d)[..., d:]
+        gate.view(-1)[:4] = torch.tensor([0.0, -0.0, 65504.0, -65504.0], dtype=torch.half, device="cuda")
+        o = torch.randn(b, t, h, d, generator=g, device="cuda") * 3
+        o.view(-1)[4] = 3e38  # the product overflows FP16 to inf like torch's
+        assert sigmoid_mul_fits(o, gate), (b, t, h, d)
+        got = fused_sigmoid_mul(o, gate, arch=_arch(arch))
+        assert got.shape == o.shape and got.is_contiguous() and torch.equal(got, want(o, gate)), (b, t, h, d)
+    assert torch.equal(sigmoid_gate(o, gate, torch.float16), want(o, gate))
+    assert not sigmoid_mul_fits(o.half(), gate) and not sigmoid_mul_fits(o, gate.float())
+    assert not sigmoid_mul_fits(o[..., 1:3], gate[..., 1:3])  # D % 4
+    o = torch.randn(8, 8, 24, 256, device="cuda")
+    gate = (torch.randn(8, 8, 24, 512, device="cuda")).half()[..., 256:]
+    out = fused_sigmoid_mul(o, gate, arch=_arch(arch))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_sigmoid_mul(o, gate, arch=_arch(arch))
+    o.copy_(torch.randn_like(o))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want(o, gate)) and not torch.equal(captured, out)

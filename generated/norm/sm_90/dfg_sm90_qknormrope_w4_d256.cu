@@ -12,8 +12,9 @@ static_assert(dflashgen::qk_rope::MAX_D == 256, "family and header disagree");
 extern "C" __global__ void __launch_bounds__(128)
 dfg_sm90_qknormrope_w4_d256(const __half* __restrict__ qkv, long long row, int t_len, int hq, int hkv, int d, int gated, int rd,
     const float* __restrict__ q_w, const float* __restrict__ k_w, float eps, const float* __restrict__ cos,
-    const float* __restrict__ sin, const long long* __restrict__ pos, float* __restrict__ q_out,
-    __half* __restrict__ kc, __half* __restrict__ vc, long long kv_b, long long kv_l) {
+    const float* __restrict__ sin, const long long* __restrict__ pos, void* __restrict__ q_out, int q_half,
+    float q_scale, long long q_sb, long long q_st, long long q_sh, __half* __restrict__ kc, __half* __restrict__ vc,
+    long long kv_b, long long kv_l, long long kv_h) {
   dflashgen::qk_rope::qk_norm_rope<4>(qkv, row, t_len, hq, hkv, d, gated, rd, q_w, k_w, eps, cos, sin, pos,
-      q_out, kc, vc, kv_b, kv_l);
+      q_out, q_half, q_scale, q_sb, q_st, q_sh, kc, vc, kv_b, kv_l, kv_h);
 }
