@@ -364,6 +364,33 @@ class BlockDrafter(torch.nn.Module):
             out.append((k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
+    @torch.no_grad()
+    def append_context_static(self, hidden: Tensor, pos: Tensor, context: KV) -> None:
+        """:meth:`context_kv` of ``hidden [B, T, len(taps) * Ht]`` at positions ``pos [B, T]`` written into
+        the static per-slot caches ``context[layer] = (K, V)`` ``[B, Hkv, capacity, D]`` (head-major) at
+        those positions. FP16 on a GPU (:meth:`_fused_qk`): each layer's k norm, RoPE and both cache
+        writes as one qk-norm-RoPE launch over the k|v GEMM's output (no q heads); else torch's ops."""
+        cfg, (b, t) = self.cfg, pos.shape
+        nkv, d = cfg.num_kv_heads, cfg.head_dim
+        kv_rows = slice(cfg.num_heads * d, None)  # k|v: the shared weight's rows after q
+        if self._fused_qk(hidden.device, context[0][0].dtype):
+            _, fused = self._add_norm(self._lin(self.fc, hidden.reshape(b * t, -1).float()), None, self.hidden_norm)
+            cos, sin_signed = self._rope_tables(pos)
+            ksin, pos = sin_signed.roll(d // 2, -1), pos.long().contiguous()  # the kernel reads +sin's first half
+            for li, layer in enumerate(self._layers()):
+                att = layer.self_attn
+                kv = self._group(li, 0, (att.k_proj, att.v_proj), fused, kv_rows)
+                if kv is None:  # the sharing broke (moved modules): one GEMM each
+                    kv = torch.cat(self._lins(li, 0, (att.k_proj, att.v_proj), fused), -1)
+                kw = att.k_norm.weight
+                qk_norm_rope(kv.view(b, t, 2 * nkv * d), (0, nkv), d, False, d, kw, kw, cfg.rms_norm_eps, cos, ksin,
+                             pos, *context[li], head_major=True)
+            return
+        rows = torch.arange(b, device=pos.device)[:, None]
+        for (kc, vc), (k, v) in zip(context, self.context_kv(hidden.reshape(b * t, -1), pos.reshape(-1)), strict=True):
+            kc[rows, :, pos] = k.view(b, t, nkv, d).to(kc.dtype)  # [rows, :, pos] indexes as [B, T, Hkv, D]
+            vc[rows, :, pos] = v.view(b, t, nkv, d).to(vc.dtype)
+
     def _layers_forward(self, x: Tensor, attend: Callable[[int, Any, Tensor], Tensor]) -> Tensor:
         """The decoder layers over block embeddings ``x [B, S, H]`` -> final-normed hidden states in the
         projections' dtype; ``attend(li, layer, y)`` -> ``[B, S, heads * D]`` in that dtype is layer li's
@@ -709,11 +736,7 @@ class StaticDFlashDrafter:
         t, dev = self.positions, self.ctx_len.device
         # 1. append the staged round (every position written; only the kept ones counted)
         pos = self.h_base[:b, None] + torch.arange(t, device=dev)  # [b, T]
-        kv = m.context_kv(self.hidden[:b].reshape(b * t, -1), pos.reshape(-1))
-        rows = torch.arange(b, device=dev)[:, None]
-        for layer, (k, v) in enumerate(kv):  # [rows, :, pos] indexes as [b, T, Hkv, D]
-            self.k[layer][rows, :, pos] = k.view(b, t, *k.shape[1:]).to(self.k[layer].dtype)
-            self.v[layer][rows, :, pos] = v.view(b, t, *v.shape[1:]).to(self.v[layer].dtype)
+        m.append_context_static(self.hidden[:b], pos, [(k[:b], v[:b]) for k, v in zip(self.k, self.v, strict=True)])
         self.ctx_len[:b].copy_(self.h_base[:b] + self.h_keep[:b])
         self.h_base[:b].copy_(self.ctx_len[:b])
         self.h_keep[:b].zero_()

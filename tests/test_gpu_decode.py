@@ -182,6 +182,36 @@ def test_graphs_equal_eager_and_sampler_paths(target) -> None:
     assert outs[True, "compact"] == outs[True, "dense"]  # same uniforms -> same tokens
 
 
+def test_static_context_append_on_the_kernel_matches_torchs_ops(target, monkeypatch) -> None:
+    """The FP16 drafter's per-round context append (the staged taps' K / V into the head-major slot
+    caches) on the qk-norm-RoPE kernel against torch's ops ($DFLASHGEN_FUSED_QK=0): V bitwise, K within
+    FP16 rounding (a different FP32 reduction order), only the staged positions written."""
+    from dflashgen.runtime.decode_bench import _block_drafter
+
+    block = _block_drafter(target, 5)
+    cfg = block.cfg
+    g = torch.Generator(device="cuda").manual_seed(6)
+    b, t, cap = 3, 8, 64
+    hidden = torch.randn(b, t, len(cfg.target_layers) * cfg.target_hidden_size, generator=g, device="cuda").half()
+    pos = torch.tensor([[0], [17], [40]], device="cuda") + torch.arange(t, device="cuda")
+    caches = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DFLASHGEN_FUSED_QK", flag)
+        kv = [tuple(torch.full((b, cfg.num_kv_heads, cap, cfg.head_dim), 7.0, device="cuda").half()
+                    for _ in range(2)) for _ in range(cfg.num_layers)]
+        block.append_context_static(hidden, pos, kv)
+        caches[flag] = kv
+    torch.cuda.synchronize()
+    assert block._fused_qk(hidden.device, torch.float16)
+    written = torch.zeros(b, cap, dtype=torch.bool, device="cuda")
+    written[torch.arange(b, device="cuda")[:, None], pos] = True
+    for (k1, v1), (k0, v0) in zip(caches["1"], caches["0"], strict=True):
+        assert torch.equal(v1, v0)
+        assert bool((k1.transpose(1, 2)[~written] == 7.0).all())  # the rest untouched
+        rel = float((k1.float() - k0.float()).norm() / k0.float().norm())
+        assert rel <= 1e-3, rel
+
+
 def test_fp16_drafter_on_the_glue_kernels_tracks_the_fp32_reference(target) -> None:
     """The FP16 block drafter's static forward on CUDA -- add-RMSNorm, SiLU-mul and the q / k norm + RoPE
     (scaled grouped FP16 q, the block's K / V into the head-major FP16 cache) on the generated kernels,
