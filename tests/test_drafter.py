@@ -518,3 +518,32 @@ def test_static_block_forward_reads_the_head_major_cache_in_place(block: BlockDr
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # only the block's positions were written: the rows past them are as they were
     assert all(torch.equal(a, b) for a, b in zip(before, past_block(), strict=True))
+
+
+def test_static_block_and_context_append_through_the_qk_kernel_path(block: BlockDrafter, model: TargetModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static drafter's kernel route (q / k norms, RoPE, scaled grouped q and head-major cache writes
+    through ``qk_norm_rope``; the context append with no q heads) against its torch route: the same
+    values to FP32 rounding, the same cache rows written. On CPU ``qk_norm_rope`` runs torch's ops, so
+    this pins the plumbing -- views, rope tables, positions, layouts -- the GPU tests then pin the kernel."""
+    cfg = block.cfg
+    g = torch.Generator().manual_seed(3)
+    b, t, cap = 2, cfg.block_size, 40
+    hidden = torch.randn(b, t, len(cfg.target_layers) * cfg.target_hidden_size, generator=g)
+    pos = torch.tensor([[0], [9]]) + torch.arange(t)
+    x = torch.randn(b, t, cfg.hidden_size, generator=g)
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(BlockDrafter, "_fused_qk", lambda self, device, dtype, f=fused: f)
+        kv = [tuple(torch.full((b, cfg.num_kv_heads, cap, cfg.head_dim), 7.0) for _ in range(2))
+              for _ in range(cfg.num_layers)]
+        block.append_context_static(hidden, pos, kv)
+        snap = [(k.clone(), v.clone()) for k, v in kv]
+        h = block.forward_embeds_static(x, pos[:, -1] + 1, kv)
+        out[fused] = (snap, kv, h)
+    for (k1, v1), (k0, v0) in zip(out[True][0], out[False][0], strict=True):  # the append: V is the GEMM's
+        assert torch.equal(v1, v0) and torch.equal(k1 == 7.0, k0 == 7.0) and torch.allclose(k1, k0, atol=1e-5)
+    for (k1, v1), (k0, v0) in zip(out[True][1], out[False][1], strict=True):  # + the block (later layers'
+        assert torch.equal(k1 == 7.0, k0 == 7.0) and torch.equal(v1 == 7.0, v0 == 7.0)  # inputs differ
+        assert torch.allclose(k1, k0, atol=1e-4) and torch.allclose(v1, v0, atol=1e-4)  # by FP32 rounding)
+    assert torch.allclose(out[True][2], out[False][2], rtol=1e-4, atol=1e-5)

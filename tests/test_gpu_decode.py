@@ -197,12 +197,12 @@ def test_static_context_append_on_the_kernel_matches_torchs_ops(target, monkeypa
     caches = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("DFLASHGEN_FUSED_QK", flag)
+        assert block._fused_qk(hidden.device, torch.float16) == (flag == "1")
         kv = [tuple(torch.full((b, cfg.num_kv_heads, cap, cfg.head_dim), 7.0, device="cuda").half()
                     for _ in range(2)) for _ in range(cfg.num_layers)]
         block.append_context_static(hidden, pos, kv)
         caches[flag] = kv
     torch.cuda.synchronize()
-    assert block._fused_qk(hidden.device, torch.float16)
     written = torch.zeros(b, cap, dtype=torch.bool, device="cuda")
     written[torch.arange(b, device="cuda")[:, None], pos] = True
     for (k1, v1), (k0, v0) in zip(caches["1"], caches["0"], strict=True):
