@@ -375,8 +375,8 @@ class BlockDrafter(torch.nn.Module):
         kv_rows = slice(cfg.num_heads * d, None)  # k|v: the shared weight's rows after q
         if self._fused_qk(hidden.device, context[0][0].dtype):
             _, fused = self._add_norm(self._lin(self.fc, hidden.reshape(b * t, -1).float()), None, self.hidden_norm)
-            cos, sin_signed = self._rope_tables(pos)
-            ksin, pos = sin_signed.roll(d // 2, -1), pos.long().contiguous()  # the kernel reads +sin's first half
+            cos, _ = rope = self._rope_tables(pos)
+            ksin, pos = self._kernel_rope(rope, pos)
             for li, layer in enumerate(self._layers()):
                 att = layer.self_attn
                 kv = self._group(li, 0, (att.k_proj, att.v_proj), fused, kv_rows)
@@ -462,8 +462,8 @@ class BlockDrafter(torch.nn.Module):
         ct = context[0][0].dtype
         rope = self._rope_tables(pos)
         fused = self._fused_qk(x.device, ct)
-        if fused:  # the kernel reads the first halves of cos and of +sin: [sin | -sin]
-            pos, ksin = pos.long().contiguous(), rope[1].roll(d // 2, -1)
+        if fused:
+            ksin, pos = self._kernel_rope(rope, pos)
 
         def attend(li: int, layer: Any, y: Tensor) -> Tensor:
             kc, vc = context[li]  # [B, Hkv, cap, D]
@@ -484,6 +484,11 @@ class BlockDrafter(torch.nn.Module):
             return o.reshape(b, s, nh * d).to(att.o_proj.weight.dtype)
 
         return self._layers_forward(x, attend)
+
+    def _kernel_rope(self, rope: tuple[Tensor, Tensor], pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The qk-norm-RoPE kernel's sin table and positions for :meth:`_rope_tables`' ``rope`` at ``pos``:
+        it reads the first halves of cos and of +sin, so ``[-sin | sin]`` rolled to ``[sin | -sin]``; int64."""
+        return rope[1].roll(self.cfg.head_dim // 2, -1), pos.long().contiguous()
 
     def _fused_qk(self, device: torch.device, cache_dtype: torch.dtype) -> bool:
         """Whether the static block forward runs each layer's q / k norms, RoPE and cache writes as the
