@@ -1,8 +1,9 @@
 """SASS instructions per K group of built kernels (the kernels are issue-bound: instructions are time).
 
 Finds the main loop (the backward branch whose body holds the HMMAs), counts its instructions and
-divides by the groups one trip covers (HMMAs in the body / HMMAs per group). Needs cuobjdump
-(pip wheel nvidia-cuda-cuobjdump; pass --cuobjdump or put it on PATH).
+divides by the groups one trip covers (HMMAs in the body / HMMAs per group). Needs cuobjdump and the
+nvdisasm beside it (`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`: found in the wheels' bin
+folder; or pass --cuobjdump, or put it on PATH).
 
     python tools/sass_count.py [--cache DIR] [--arch 90] [--ops] REGEX
 """
@@ -20,6 +21,23 @@ from pathlib import Path
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 NAME = re.compile(r"_(nvfp4|fp8)_.*_kg(\d+)_r(\d+)_nt(\d+)_")
+
+
+def find_cuobjdump() -> str:
+    """cuobjdump on PATH, else the one the `nvidia-cuda-cuobjdump` wheel installs (nvidia/cu*/bin)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            hits = [*sorted(Path(root).glob("cu*/bin/cuobjdump")), *Path(root).glob("cuda_cuobjdump/bin/cuobjdump")]
+            if hits:
+                return str(hits[-1])
+    except ImportError:
+        pass
+    return "cuobjdump"
 
 
 def disassemble(cuobjdump: str, cubin: Path, kernel: str) -> list[tuple[int, str, str]]:
@@ -58,7 +76,7 @@ def built_kernels(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path
     ap.add_argument("regex")
     ap.add_argument("--cache", default=os.environ.get("DFLASHGEN_CACHE", str(Path.home() / ".cache/dflashgen")))
     ap.add_argument("--arch", default="90")
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    ap.add_argument("--cuobjdump", default=find_cuobjdump())
     a = ap.parse_args()
     build = Path(a.cache) / "build"
     rec = json.loads((build / f"sm_{a.arch}" / "record.json").read_text())["kernels"]
