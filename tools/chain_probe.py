@@ -46,7 +46,6 @@ class Clocks:
         self.proc = subprocess.Popen(
             ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw", "--format=csv,noheader,nounits",
              "-lms", "50"], stdout=subprocess.PIPE, text=True)
-        self.rows: list[tuple[float, float, float]] = []
 
     def close(self) -> list[str]:
         self.proc.terminate()
