@@ -24,7 +24,7 @@ NAME = re.compile(r"_(nvfp4|fp8)_.*_kg(\d+)_r(\d+)_nt(\d+)_")
 
 
 def find_cuobjdump() -> str:
-    """cuobjdump on PATH, else the one the `nvidia-cuda-cuobjdump` wheel installs (nvidia/cu*/bin)."""
+    """cuobjdump on PATH, else the one the `nvidia-cuda-cuobjdump` wheel installs (nvidia/*/bin)."""
     found = shutil.which("cuobjdump")
     if found:
         return found
@@ -32,7 +32,7 @@ def find_cuobjdump() -> str:
         import nvidia
 
         for root in nvidia.__path__:
-            hits = [*sorted(Path(root).glob("cu*/bin/cuobjdump")), *Path(root).glob("cuda_cuobjdump/bin/cuobjdump")]
+            hits = sorted(Path(root).glob("*/bin/cuobjdump"))
             if hits:
                 return str(hits[-1])
     except ImportError:
