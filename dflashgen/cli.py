@@ -93,7 +93,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     ms = tuple(args.ms) if args.ms else BUCKETS
     out = run(Path(args.targets) if args.targets else None, Path(args.out) if args.out else None,
-              only=args.only, ms=ms)
+              only=args.only, ms=ms, carry=Path(args.carry) if getattr(args, "carry", None) else None)
     print(f"tuning table written: {out}")
     return 0
 
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", default=None, help="table path (default the package's tuning/<gpu>.json)")
     t.add_argument("--only", default=None, help="regex on problem keys to tune")
     t.add_argument("--ms", type=int, nargs="+", default=None, help="M buckets")
+    t.add_argument("--carry", default=None, metavar="REPORT",
+                   help="an earlier run's measurements report (<table>.measurements.json[.gz]): its problems "
+                        "measured on this kind of machine whose kernels are unchanged are kept, not re-timed")
     t.add_argument("--heuristic", type=int, metavar="ARCH", default=None,
                    help="no GPU: write an untuned cost-model table for this arch (e.g. 70)")
     t.set_defaults(fn=_tune)

@@ -15,6 +15,7 @@ Results are journaled after every problem, so an interrupted run resumes where i
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import time
@@ -303,15 +304,35 @@ def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tu
     }
 
 
-def load_journal(path: Path, fp: dict[str, Any]) -> dict[str, Any]:
-    """Problems already measured by an interrupted run on this same machine and library."""
+def problem_kernels_hash(entries: list[dict[str, Any]]) -> str:
+    """Identity of one problem's candidate set: its manifest entries and the GEMM sources they are
+    built from (the per-problem form of the table fingerprint's kernel_library hash)."""
+    from dflashgen.runtime.library import library_hash
+
+    return library_hash(sorted(entries, key=lambda e: e["name"]))
+
+
+def read_measurements(path: Path) -> dict[str, Any]:
+    """A journal or measurements report (JSON, or gzipped JSON as kept under bench/)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
+def load_journal(path: Path, fp: dict[str, Any], hashes: dict[str, str]) -> dict[str, Any]:
+    """Problems already measured that need no new measurement: same kind of machine (the fingerprint
+    but its kernel_library) and the same candidate set (``hashes``: problem key -> its current
+    problem_kernels_hash). An interrupted run's journal, or an earlier run's measurements report passed
+    as the journal: a re-tune after a schedule change then times only the problems whose kernels changed."""
     if not path.exists():
         return {}
     try:
-        j = json.loads(path.read_text())
-    except ValueError:
+        j = read_measurements(path)
+    except (ValueError, OSError):
         return {}  # a journal cut mid-write: start over rather than trust it
-    return j.get("problems", {}) if j.get("fingerprint") == fp else {}
+    machine = {k: v for k, v in fp.items() if k != "kernel_library"}
+    if {k: v for k, v in j.get("fingerprint", {}).items() if k != "kernel_library"} != machine:
+        return {}
+    return {k: v for k, v in j.get("problems", {}).items() if k in hashes and v.get("kernels") == hashes[k]}
 
 
 def save_journal(path: Path, fp: dict[str, Any], done: dict[str, Any]) -> None:
@@ -321,14 +342,19 @@ def save_journal(path: Path, fp: dict[str, Any], done: dict[str, Any]) -> None:
 
 
 def run(targets_path: Path | None = None, out: Path | None = None, journal: Path | None = None,
-        only: str | None = None, ms: tuple[int, ...] = BUCKETS, progress: bool = True) -> Path:
+        only: str | None = None, ms: tuple[int, ...] = BUCKETS, progress: bool = True,
+        carry: Path | None = None) -> Path:
+    """Tune the targets' problems (``only``: those whose keys match) on this GPU and write the table.
+    ``carry``: an earlier run's measurements report whose problems, measured on this kind of machine
+    with the same candidate kernels, are kept as measured (a re-tune after a schedule change then
+    times only the problems whose kernels changed); the table holds them and the newly timed ones."""
     from tqdm import tqdm
 
     from dflashgen.runtime.library import default_table_path, machine_fingerprint
     from dflashgen.runtime.table import TuningTable
 
     from .render import load_targets
-    from .verify import native_kernels
+    from .verify import manifest_problems, native_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", torch.cuda.current_device())
@@ -336,21 +362,32 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     arch = fp["arch"]
     out = out or default_table_path(device)
     journal = journal or out.with_suffix(".journal.json")
-    done = load_journal(journal, fp)
     probs = selected(problems_for(load_targets(targets_path), arch), only)
-    images, entries_by_key = native_kernels(arch)
+    hashes = {key: problem_kernels_hash(entries) for key, entries in manifest_problems(arch).items()}
+    carried = {k: v for k, v in (load_journal(carry, fp, hashes) if carry else {}).items()
+               if k in {p.key for p in problems_for(load_targets(targets_path), arch)}}
+    if carry:
+        print(f"{len(carried)} problems carried from {carry} (this kind of machine, unchanged kernels)")
+    done = {**carried, **load_journal(journal, fp, hashes)}
+    todo = [p for p in probs if p.key not in done]
+    # build (if missing) and load only the kernels of the problems left to measure
+    names = "|".join(re.escape(p.key.split("/", 1)[1].replace("fp8_channel", "fp8").replace("/", "_") + "_")
+                     for p in todo)
+    images, entries_by_key = native_kernels(arch, f"^dfg_sm{arch}_({names})") if todo else ({}, {})
     bw = read_bandwidth(device)
     fp8_ok = arch >= 89
     t0 = time.time()
     for p in tqdm(probs, desc="tune", unit="problem", disable=not progress):
         if p.key in done:
             continue
-        done[p.key] = tune_problem(p, entries_by_key[p.key], images, device, bw, ms, fp8_ok)
+        done[p.key] = {**tune_problem(p, entries_by_key[p.key], images, device, bw, ms, fp8_ok),
+                       "kernels": hashes[p.key]}
         save_journal(journal, fp, done)
         torch.cuda.empty_cache()
     table = TuningTable({"schema": 1, "tuned": True, "fingerprint": fp,
-                         "note": f"dflashgen tune on {fp['gpu']}: {len(done)} problems in {time.time() - t0:.0f} s; "
-                                 f"read bandwidth {bw:.0f} GB/s",
+                         "note": f"dflashgen tune on {fp['gpu']}: {len(done) - len(carried)} problems in "
+                                 f"{time.time() - t0:.0f} s; read bandwidth {bw:.0f} GB/s"
+                                 + (f"; {len(carried)} carried from {carry.name}" if carried else ""),
                          "problems": {k: {"kplan": v["kplan"], "buckets": v["buckets"]} for k, v in done.items()}},
                         str(out))
     table.save(out)

@@ -182,6 +182,17 @@ def group_key(e: dict[str, Any]) -> str:
     return f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"
 
 
+def manifest_problems(arch: int) -> dict[str, list[dict[str, Any]]]:
+    """The manifest's GEMM entries of one arch grouped by problem (nothing built)."""
+    from .render import load_manifest
+
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in load_manifest()["kernels"]:
+        if e["arch"] == arch:
+            groups[group_key(e)].append(e)
+    return dict(groups)
+
+
 def native_kernels(arch: int, only: str | None = None) -> tuple[dict[str, tuple[Path, str]],
                                                                  dict[str, list[dict[str, Any]]]]:
     """This GPU's kernels (those whose names match `only`, built if missing): name -> (image, kind), and

@@ -59,12 +59,35 @@ def test_k_plan_chosen_jointly_over_buckets() -> None:
 
 def test_journal_resume(tmp_path: Path) -> None:
     j = tmp_path / "t.journal.json"
-    assert load_journal(j, FP) == {}
-    save_journal(j, FP, {"p1": {"buckets": []}})
-    assert load_journal(j, FP) == {"p1": {"buckets": []}}
-    assert load_journal(j, {**FP, "gpu": "other"}) == {}, "a journal from another machine is not resumed"
+    h = {"p1": "h1", "p2": "h2"}
+    assert load_journal(j, FP, h) == {}
+    save_journal(j, FP, {"p1": {"buckets": [], "kernels": "h1"}})
+    assert load_journal(j, FP, h) == {"p1": {"buckets": [], "kernels": "h1"}}
+    assert load_journal(j, {**FP, "gpu": "other"}, h) == {}, "a journal from another machine is not resumed"
+    assert load_journal(j, FP, {**h, "p1": "changed"}) == {}, "a problem whose kernels changed is re-timed"
     j.write_text("{cut mid-wri")
-    assert load_journal(j, FP) == {}
+    assert load_journal(j, FP, h) == {}
+
+
+def test_carried_report_keeps_only_unchanged_problems(tmp_path: Path) -> None:
+    """An earlier run's report (gzipped, as under bench/) with another kernel_library: the problems
+    whose own kernel sets are unchanged are kept; one with a new candidate, or without a recorded
+    hash (a report from before hashes were kept), is measured again."""
+    import gzip
+
+    from dflashgen.tune import problem_kernels_hash
+
+    e1 = [{"name": "dfg_a_r8", "tile": {"rows": 8}}, {"name": "dfg_a_r16", "tile": {"rows": 16}}]
+    e2 = [{"name": "dfg_b_r8", "tile": {"rows": 8}}]
+    h1, h2 = problem_kernels_hash(e1), problem_kernels_hash(e2)
+    assert h1 == problem_kernels_hash(e1[::-1]), "the manifest's order does not matter"
+    assert h1 != problem_kernels_hash([*e1, {"name": "dfg_a_r16_mb5", "tile": {"rows": 16, "min_blocks": 5}}])
+    rep = tmp_path / "old.measurements.json.gz"
+    rep.write_bytes(gzip.compress(json.dumps({"fingerprint": {**FP, "kernel_library": "old"}, "problems": {
+        "p1": {"buckets": [1], "kernels": h1}, "p2": {"buckets": [2], "kernels": "stale"},
+        "p3": {"buckets": [3]}}}).encode()))
+    kept = load_journal(rep, FP, {"p1": h1, "p2": h2, "p3": h1})
+    assert kept == {"p1": {"buckets": [1], "kernels": h1}}
 
 
 def _table(**fp) -> dict:
