@@ -507,7 +507,9 @@ def illegal_reason(spec: KernelSpec) -> str | None:
                     f"space's {key} {[s[:4] for s in space.tiles.get(key, [])]}")
         if t.wsplit and spec.kplan.warps_k < 2:
             return "wsplit splits a plan's warps_k >= 2 workers into CTAs; this plan has one per split"
-        if len(listed[0]) > 4 and spec.threads > listed[0][4]:
+        if key == "x_smem_capped_tiles":
+            pass  # its 5th field is the occupancy it is capped for (checked below), not a thread cap
+        elif len(listed[0]) > 4 and spec.threads > listed[0][4]:
             return (f"x_smem tile {shape} with {spec.threads} threads: its registers fit >= 2 CTAs per SM "
                     f"only up to {listed[0][4]} threads")
         if len(listed[0]) > 5 and spec.threads < listed[0][5]:
@@ -564,7 +566,15 @@ def illegal_reason(spec: KernelSpec) -> str | None:
     budget = min(space.limits["reg_budget"], 65536 // spec.threads)
     if spec.reg_estimate() > budget:
         return f"~{spec.reg_estimate()} registers > budget {budget} ({spec.threads} threads)"
-    if t.min_blocks > 1 and _reg_need(spec, space) > 65536 // (spec.threads * t.min_blocks):
+    if t.min_blocks > 1 and t.x_smem:
+        # x_smem_capped_tiles: a deliberate cap (ptxas may spill a few bytes; the race decides), for the
+        # listed occupancy only
+        warps = [s[4] for s in space.tiles.get("x_smem_capped_tiles", [])
+                 if s[:4] == (t.rows, t.warp_nt, t.warps_n, t.stages)]
+        if not warps or t.min_blocks * spec.threads > 32 * warps[0]:
+            return (f"capped x_smem tile {(t.rows, t.warp_nt, t.warps_n, t.stages)} at {t.min_blocks} blocks of "
+                    f"{spec.threads} threads: above the space's x_smem_capped_tiles occupancy {warps}")
+    elif t.min_blocks > 1 and _reg_need(spec, space) > 65536 // (spec.threads * t.min_blocks):
         return f"~{_reg_need(spec, space)} registers do not fit {t.min_blocks} blocks of {spec.threads} threads"
     if not t.x_smem and t.warps_n not in space.tiles["warps_n"]:
         return f"warps_n={t.warps_n} only for x_smem tiles"
@@ -580,7 +590,9 @@ def _shape_list(t: Tile) -> str:
         if t.wgc:
             return "wgmma_producer_tiles"
         return "producer_tiles" if t.producer else "w_async_serial_tiles" if t.w_async else "serial_tiles"
-    return "wsplit_tiles" if t.wsplit else "x_smem_tiles"
+    if t.wsplit:
+        return "wsplit_tiles"
+    return "x_smem_capped_tiles" if t.min_blocks > 1 else "x_smem_tiles"
 
 
 def _reg_need(spec: KernelSpec, space: ArchSpace) -> int:
@@ -686,6 +698,22 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                         c = replace(spec, tile=replace(spec.tile, min_blocks=mb))
                         if illegal_reason(c) is None and c not in out and _fills_better(c):
                             out.append(c)
+    # listed register-path shapes beyond the knobs' product (register_tiles), within their thread bounds
+    for rows, warp_nt, warps_n, stages, xa, max_thr, min_thr in space.tiles.get("register_tiles", []):
+        c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=xa), serves)
+        c = replace(c, tile=replace(c.tile, min_blocks=_occupancy_blocks(c)))
+        if min_thr <= c.threads <= max_thr and illegal_reason(c) is None and c not in out:
+            out.append(c)
+    # capped x_smem shapes: a listed shape capped for the fewest CTAs per SM that put its whole grid at
+    # M = rows in one wave, where that is 2 .. the listed warps per SM (x_smem_capped_tiles)
+    for rows, warp_nt, warps_n, stages, warps in space.tiles.get("x_smem_capped_tiles", []):
+        c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1), serves)
+        mb = -(-math.prod(c.grid(rows)) // space.sms)
+        if not 2 <= mb <= warps * 32 // c.threads or _reg_need(c, space) <= 65536 // (c.threads * mb):
+            continue  # no wave to save, or one the tile's registers reach without a cap
+        c = replace(c, tile=replace(c.tile, min_blocks=mb))
+        if illegal_reason(c) is None and c not in out:
+            out.append(c)
     # wsplit shapes (the plan's K workers as CTAs of their own): x_smem tiles from their own list
     for rows, warp_nt, warps_n, stages, *_ in space.tiles.get("wsplit_tiles", []):
         c = KernelSpec(arch, fmt, n, k, silu, kp,
