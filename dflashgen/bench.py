@@ -7,12 +7,13 @@ The weighted total over one 64-layer forward uses each projection's count per fo
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .tune import problems_for, selected, tune_problem
+from .tune import problems_for, problems_regex, selected, tune_problem
 
 REPORT_MS = (1, 8, 16, 32, 64)
 
@@ -27,7 +28,7 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
 
     from .render import load_targets
     from .timing import read_bandwidth, tensor_tflops
-    from .verify import native_kernels
+    from .verify import manifest_problems, native_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", torch.cuda.current_device())
@@ -37,13 +38,24 @@ def run(table_path: Path | None, out_dir: Path, targets_path: Path | None = None
     if not race_all:
         table = TuningTable.load(table_path or default_table_path(device))
         table.check_matches(fp)
-    images, by_key = native_kernels(arch)
+    targets = load_targets(targets_path)
+    probs = selected(problems_for(targets, arch), only)
+    # build (if missing) and load only what runs: the table's kernels (a problem it serves from a peer
+    # alone: one candidate, which the peers are timed beside), or every candidate with race_all
+    names = problems_regex(probs)
+    if table is not None:
+        man = manifest_problems(arch)
+        want: set[str] = set()
+        for p in probs:
+            want |= {b["kernel"] for b in table.problems().get(p.key, {}).get("buckets", [])
+                     if b.get("kernel")} or {man[p.key][0]["name"]}
+        names = f"^({'|'.join(sorted(map(re.escape, want)))})$"
+    images, by_key = native_kernels(arch, names)
     bw = read_bandwidth(device)
     results: dict[str, Any] = {}
     failed: dict[str, str] = {}  # problem -> the error that stopped its measurement
     t0 = time.time()
-    targets = load_targets(targets_path)
-    for p in tqdm(selected(problems_for(targets, arch), only), desc="bench", unit="problem"):
+    for p in tqdm(probs, desc="bench", unit="problem"):
         entries = by_key[p.key]
         prefetch: dict[int, int] = {}  # the table's tuned L2 prefetch depths, timed as served
         if table is not None:

@@ -105,6 +105,14 @@ def prune(entries: list[dict[str, Any]], m: int, bw_gbs: float, keep: float = 1.
     return sorted(out, key=lambda e: (model_time_us(e, m, bw_gbs), e["tile"]["rows"], e["name"]))
 
 
+def problems_regex(probs: list[Problem]) -> str:
+    """Kernel-name regex for every candidate of these problems (``sm90/fp8_channel/store/n5120/k1536``
+    -> ``dfg_sm90_fp8_store_n5120_k1536_...``): what a run over them builds and loads."""
+    keys = "|".join(re.escape(f"{p.fmt.replace('fp8_channel', 'fp8')}_{'silu' if p.silu else 'store'}_n{p.n}_k{p.k}_")
+                    for p in probs)
+    return f"^dfg_sm{probs[0].arch}_({keys})" if probs else "^$"
+
+
 def problems_for(targets: list[Any], arch: int) -> list[Problem]:
     from .render import problems
 
@@ -371,9 +379,7 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     done = {**carried, **load_journal(journal, fp, hashes)}
     todo = [p for p in probs if p.key not in done]
     # build (if missing) and load only the kernels of the problems left to measure
-    names = "|".join(re.escape(p.key.split("/", 1)[1].replace("fp8_channel", "fp8").replace("/", "_") + "_")
-                     for p in todo)
-    images, entries_by_key = native_kernels(arch, f"^dfg_sm{arch}_({names})") if todo else ({}, {})
+    images, entries_by_key = native_kernels(arch, problems_regex(todo)) if todo else ({}, {})
     bw = read_bandwidth(device)
     fp8_ok = arch >= 89
     t0 = time.time()
