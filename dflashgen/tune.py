@@ -370,10 +370,11 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     arch = fp["arch"]
     out = out or default_table_path(device)
     journal = journal or out.with_suffix(".journal.json")
-    probs = selected(problems_for(load_targets(targets_path), arch), only)
+    every = problems_for(load_targets(targets_path), arch)
+    probs = selected(every, only)
     hashes = {key: problem_kernels_hash(entries) for key, entries in manifest_problems(arch).items()}
     carried = {k: v for k, v in (load_journal(carry, fp, hashes) if carry else {}).items()
-               if k in {p.key for p in problems_for(load_targets(targets_path), arch)}}
+               if k in {p.key for p in every}}
     if carry:
         print(f"{len(carried)} problems carried from {carry} (this kind of machine, unchanged kernels)")
     done = {**carried, **load_journal(journal, fp, hashes)}
