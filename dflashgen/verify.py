@@ -182,13 +182,14 @@ def group_key(e: dict[str, Any]) -> str:
     return f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"
 
 
-def manifest_problems(arch: int) -> dict[str, list[dict[str, Any]]]:
-    """The manifest's GEMM entries of one arch grouped by problem (nothing built)."""
+def manifest_problems(arch: int | None, kernels: list[dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """GEMM manifest entries (this install's manifest, or ``kernels``) of one arch (None: all) grouped by
+    problem (nothing built)."""
     from .render import load_manifest
 
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for e in load_manifest()["kernels"]:
-        if e["arch"] == arch:
+    for e in load_manifest()["kernels"] if kernels is None else kernels:
+        if arch is None or e["arch"] == arch:
             groups[group_key(e)].append(e)
     return dict(groups)
 

@@ -15,13 +15,12 @@ import argparse
 import gzip
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 from dflashgen.runtime.library import library_hash
 
 from dflashgen.tune import problem_kernels_hash, read_measurements
-from dflashgen.verify import group_key
+from dflashgen.verify import manifest_problems
 
 
 def main() -> int:
@@ -37,9 +36,7 @@ def main() -> int:
         print(f"{a.manifest} hashes to {library_hash(kernels)}, the report timed {want}: not its manifest "
               "(or the GEMM sources changed since)", file=sys.stderr)
         return 1
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for e in kernels:
-        groups[group_key(e)].append(e)
+    groups = manifest_problems(None, kernels)
     for key, prob in rep["problems"].items():
         prob["kernels"] = problem_kernels_hash(groups[key])
     a.out.write_bytes(gzip.compress(json.dumps(rep, indent=1, sort_keys=True).encode()))
