@@ -7,6 +7,7 @@ driver JIT-compiles, so the m8n8k4 path is exercised on newer GPUs too.
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 
 import pytest
@@ -24,10 +25,10 @@ def _groups() -> dict[str, list[dict]]:
     from dflashgen.runtime import native_arch
 
     archs = {native_arch(), 70}
-    only = os.environ.get("DFLASHGEN_GPU_ONLY")
+    only = os.environ.get("DFLASHGEN_GPU_ONLY")  # a regex on kernel names, as `dflashgen build --only`
     groups: dict[str, list[dict]] = defaultdict(list)
     for e in load_manifest()["kernels"]:
-        if e["arch"] in archs and (only is None or only in e["name"]):
+        if e["arch"] in archs and (only is None or re.search(only, e["name"])):
             groups[f"sm{e['arch']}/{e['format']}/{e['epilogue']}/n{e['n']}/k{e['k']}"].append(e)
     return groups
 
@@ -42,7 +43,10 @@ def images():
     from dflashgen.verify import artifacts_for
 
     native = native_arch()
-    arts = artifacts_for(sorted({native, 70}), native, os.environ.get("DFLASHGEN_GPU_ONLY"))
+    only = os.environ.get("DFLASHGEN_GPU_ONLY")
+    if only:  # the filtered kernels, and the one the small_kernel tests run
+        only = f"(?:{only})|^{re.escape(_small_entry(native)['name'])}$"
+    arts = artifacts_for(sorted({native, 70}), native, only)
     return {n: (p, kind) for n, (_, p, kind) in arts.items()}
 
 
@@ -57,6 +61,13 @@ def test_kernel_group(key: str, images) -> None:
     assert max(r.worst_rel_l2 for r in reports) <= 1e-3
 
 
+def _small_entry(arch: int) -> dict:
+    """The smallest NVFP4 problem's 8-row mma.sync kernel, split-K where it has one (its in-kernel reduce too)."""
+    cands = [e for e in load_manifest()["kernels"] if e["arch"] == arch and e["format"] == "nvfp4"
+             and e["tile"]["rows"] == 8 and not e["kplan"].get("wgmma")]
+    return min(cands, key=lambda e: (e["n"], -e["kplan"]["split_k"], e["name"]))
+
+
 @pytest.fixture(scope="module")
 def small_kernel(images):
     from dflashgen.runtime import GemmKernel, native_arch
@@ -65,10 +76,7 @@ def small_kernel(images):
     from dflashgen.verify import random_nvfp4
 
     arch = native_arch()
-    # the smallest NVFP4 problem's 8-row mma.sync kernel, split-K where it has one (its in-kernel reduce too)
-    cands = [e for e in load_manifest()["kernels"] if e["arch"] == arch and e["format"] == "nvfp4"
-             and e["tile"]["rows"] == 8 and not e["kplan"].get("wgmma")]
-    entry = min(cands, key=lambda e: (e["n"], -e["kplan"]["split_k"], e["name"]))
+    entry = _small_entry(arch)
     dev = torch.device("cuda", 0)
     w = random_nvfp4(entry["n"], entry["k"], (entry["n"],), dev, torch.Generator(device=dev).manual_seed(1))
     packed = prepack(w, Layout(arch, "nvfp4", entry["n"], entry["k"]))
