@@ -163,17 +163,19 @@ def verify_problem(entries: list[dict[str, Any]], images: dict[str, tuple[Path, 
 
 def artifacts_for(archs: list[int], native: int, only: str | None) -> dict[str, tuple[dict[str, Any], Path, str]]:
     """name -> (manifest entry, image path, 'cubin'|'ptx'); builds what is missing."""
-    from .build import build
+    from .build import build, select
+    from .render import load_manifest
 
+    manifest = load_manifest()
     out = {}
     for arch in archs:
-        res = build([arch], only=only, progress=False)
+        if only and not select(manifest, [arch], only):
+            continue  # a filter that names none of this arch's kernels (build() would refuse it)
+        res = build([arch], only=only, progress=False, manifest=manifest)
         for name, art in res.artifacts.items():
             use_cubin = arch == native
             out[name] = (arch, art.cubin if use_cubin else art.ptx, "cubin" if use_cubin else "ptx")
-    from .render import load_manifest
-
-    entries = {e["name"]: e for e in load_manifest()["kernels"]}
+    entries = {e["name"]: e for e in manifest["kernels"]}
     return {n: (entries[n], p, kind) for n, (_, p, kind) in out.items() if n in entries}  # GEMMs only
 
 

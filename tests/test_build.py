@@ -393,3 +393,14 @@ def test_trace_gaps_attributes_gpu_idle_to_the_launch_that_ended_it(tmp_path: Pa
     assert "12.5 us  cudaMemcpyAsync -> Memcpy HtoD" in out
     k1 = next(line for line in out.splitlines() if line.startswith("k1 "))
     assert k1.split() == ["k1", "2", "6.5", "6.5", "|", "2", "6.5", "6.5"]  # 2 calls, 13 us / 2, mean 6.5
+
+
+def test_artifacts_for_skips_an_arch_the_filter_does_not_name(tmp_path: Path, monkeypatch) -> None:
+    """A GPU test filter naming sm_70 kernels only still runs on an sm_90 machine (session 42 lost a
+    GPU test run to build() refusing the filter for the arch it named nothing of)."""
+    from dflashgen.verify import artifacts_for
+
+    monkeypatch.setenv("DFLASHGEN_CACHE", str(tmp_path))
+    arts = artifacts_for([70, 90], 90, SMALL)
+    assert arts and all(e["arch"] == 70 and kind == "ptx" and p.exists() for e, p, kind in arts.values())
+    assert artifacts_for([70, 90], 90, "^no_such_kernel$") == {}
