@@ -11,9 +11,11 @@ CUDA graph in three forms and prints them beside the bench-style per-problem sum
 - ``reuse``: every GDN layer the same weights, every attention layer the same (a ~0.4 GB set),
 - ``bench``: each problem alone, rotating two copies (what `dflashgen bench` times) x its count,
 
-with the SM clock and power sampled by nvidia-smi while each replays.
+with the SM clock and power sampled by nvidia-smi while each replays. The shapes come from the
+model's projections at a TP degree and deployment (default TP1 NVFP4): at TP4 the kernels are small
+and a chain shows how much of their launch and ramp the back-to-back (PDL) launches hide.
 
-    python3 tools/chain_probe.py --ms 8 16 [--layers 64] [--out chain.json]
+    python3 tools/chain_probe.py --ms 8 16 [--tp 4] [--deployment fp8] [--layers 64] [--out chain.json]
 """
 
 from __future__ import annotations
@@ -32,11 +34,25 @@ from dflashgen.runtime.library import KernelLibrary
 from dflashgen.timing import copies_for, graph_time, replay_time
 from dflashgen.verify import random_packed
 
-# (name, fmt, silu, n, k) of the TP1 NVFP4 projections per layer kind (Qwen3.8-27B)
-GDN = [("in_proj_qkvzba", 16480, 5120, False), ("out_proj", 5120, 6144, False),
-       ("gate_up+silu", 34816, 5120, True), ("down", 5120, 17408, False)]
-ATTN = [("qkv", 14336, 5120, False), ("o_proj", 5120, 6144, False),
-        ("gate_up+silu", 34816, 5120, True), ("down", 5120, 17408, False)]
+Spec = tuple[str, int, int, bool]  # (name, n, k, silu)
+
+
+def layer_specs(model: str, tp: int, deployment: str) -> tuple[str, list[Spec], list[Spec]]:
+    """The weight format and the projections of a GDN layer and of an attention layer, in forward
+    order (the layer's own projections, then the MLP's gate_up with its SiLU epilogue and down)."""
+    from dflashgen.deployment import load_deployment
+    from dflashgen.render import problems
+
+    projs = [(p, fmt) for p, fmt, silu in problems(model, tp, load_deployment(deployment))
+             if not (p.layer_type == "mlp" and p.name == "gate_up_proj" and not silu)]
+    spec = {p.layer_type: [] for p, _ in projs}
+    for p, _ in projs:
+        spec[p.layer_type].append((p.name + ("+silu" if p.name == "gate_up_proj" else ""), p.n, p.k,
+                                   p.name == "gate_up_proj"))
+    fmts = {fmt for _, fmt in projs}
+    if len(fmts) != 1:
+        raise SystemExit(f"deployment {deployment!r} mixes weight formats {sorted(fmts)}: one format per chain")
+    return fmts.pop(), spec["linear_attention"] + spec["mlp"], spec["full_attention"] + spec["mlp"]
 
 
 class Clocks:
@@ -71,26 +87,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--model", default="qwen3.8-27b")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--deployment", default="nvfp4")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     lib = KernelLibrary(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     kinds = ["attn" if (i + 1) % 4 == 0 else "gdn" for i in range(args.layers)]
+    fmt, GDN, ATTN = layer_specs(args.model, args.tp, args.deployment)
 
-    def make(spec: tuple[str, int, int, bool]) -> Any:
+    def make(spec: Spec) -> Any:
         _, n, k, silu = spec
-        return random_packed(lib.arch, "nvfp4", n, k, silu, dev, gen)[1]
+        return random_packed(lib.arch, fmt, n, k, silu, dev, gen)[1]
 
     distinct = [[make(s) for s in (ATTN if kind == "attn" else GDN)] for kind in kinds]
     shared = {"gdn": distinct[0], "attn": distinct[kinds.index("attn")]}
     gb = sum(w.weights.numel() + w.scales.numel() for layer in distinct for w in layer) / 1e9
-    print(f"{args.layers} layers, {gb:.1f} GB of distinct packed weights")
-    report: dict[str, Any] = {"layers": args.layers, "weights_gb": gb, "ms": {}}
+    print(f"{args.model} TP{args.tp} {args.deployment}: {args.layers} layers, {gb:.1f} GB of distinct packed weights")
+    report: dict[str, Any] = {"model": args.model, "tp": args.tp, "deployment": args.deployment,
+                              "layers": args.layers, "weights_gb": gb, "ms": {}}
     clocks = Clocks()
     windows: list[tuple[str, float, float]] = []
     for m in args.ms:
-        xs = {k: torch.randn(m, k, device=dev, dtype=torch.float16) for k in (5120, 6144, 17408)}
+        xs = {k: torch.randn(m, k, device=dev, dtype=torch.float16) for _, _, k, _ in GDN + ATTN}
         outs = {n: torch.empty(m, n // 2 if silu else n, device=dev, dtype=torch.float16)
                 for _, n, _, silu in GDN + ATTN}
         row: dict[str, Any] = {}
