@@ -186,6 +186,11 @@ class PackedWeight:
     scales: torch.Tensor | None  # uint8 stream (NVFP4 block scales) or None
     col_scale: torch.Tensor  # float32 [N]: global / channel scale times layout.decode_scale
 
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes a kernel streams from memory per call: the weights and their block scales."""
+        return self.weights.numel() + (self.scales.numel() if self.scales is not None else 0)
+
 
 def prepack(w: NVFP4Weight | FP8ChannelWeight, layout: Layout) -> PackedWeight:
     layout.check()

@@ -283,7 +283,7 @@ def tune_problem(p: Problem, entries: list[dict[str, Any]], images: dict[str, tu
     reports = verify_problem(cand, images, tuple(sorted(set(ms) | {1, 8, 17})), device)
     ok = {r.name for r in reports if r.ok}
     w, packed = _weights(p, device, seed=1)
-    copies = copies_for(packed.weights.numel() + (packed.scales.numel() if packed.scales is not None else 0), device)
+    copies = copies_for(packed.stream_bytes, device)
     kernels = {e["name"]: GemmKernel(e, images[e["name"]][0], max_m=max(ms), device=device)
                for e in cand if e["name"] in ok}
     timings: dict[str, dict[int, Timing]] = defaultdict(dict)

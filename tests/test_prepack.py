@@ -50,6 +50,16 @@ def test_prepack_round_trip(arch: int, fmt: str, n: int, k: int, silu: bool) -> 
         assert torch.allclose(p.col_scale, w.scale * (1 if arch >= 89 else 256))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_channel"])
+def test_stream_bytes_counts_weights_and_block_scales(fmt: str) -> None:
+    n, k = 96, 256
+    p = prepack(_weight(fmt, n, k, False), Layout(90, fmt, n, k))
+    payload = n * k // 2 + n * k // 16 if fmt == "nvfp4" else n * k  # codes (+ one E4M3 scale per 16)
+    pad = p.stream_bytes - payload
+    assert 0 < pad <= 2 * 8 * 32 * 16, "only the prefetch padding on top (8 groups x 32 lanes x 16 B per stream)"
+    assert p.stream_bytes == p.weights.numel() + (0 if p.scales is None else p.scales.numel())
+
+
 def _nibble(stream: torch.Tensor, idx: int) -> int:
     b = int(stream[idx // 2])
     return (b >> 4) if idx % 2 else (b & 0xF)

@@ -104,7 +104,7 @@ def main() -> None:
 
     distinct = [[make(s) for s in (ATTN if kind == "attn" else GDN)] for kind in kinds]
     shared = {"gdn": distinct[0], "attn": distinct[kinds.index("attn")]}
-    gb = sum(w.weights.numel() + w.scales.numel() for layer in distinct for w in layer) / 1e9
+    gb = sum(w.stream_bytes for layer in distinct for w in layer) / 1e9
     print(f"{args.model} TP{args.tp} {args.deployment}: {args.layers} layers, {gb:.1f} GB of distinct packed weights")
     report: dict[str, Any] = {"model": args.model, "tp": args.tp, "deployment": args.deployment,
                               "layers": args.layers, "weights_gb": gb, "ms": {}}
@@ -141,7 +141,7 @@ def main() -> None:
         for spec in {s for s in GDN + ATTN}:
             name, n, k, silu = spec
             w0 = make(spec)
-            copies = copies_for(w0.weights.numel() + w0.scales.numel(), dev)
+            copies = copies_for(w0.stream_bytes, dev)
             ws = [w0] + [make(spec) for _ in range(copies - 1)]
             t = graph_time(lambda i, ws=ws, n=n, k=k, xs=xs, outs=outs: lib.gemm(xs[k], ws[i], outs[n]), copies)
             count = sum(1 for kind in kinds for s in (ATTN if kind == "attn" else GDN) if s == spec)

@@ -40,7 +40,7 @@ def _eager_us(fn: Callable[[], object], repeats: int = 3) -> float:
 def _measure(proj: Projection, fmt: str, arch: int, m: int, dev: torch.device) -> dict[str, Any]:
     silu = proj.name == "gate_up_proj"
     _, p = random_packed(arch, fmt, proj.n, proj.k, silu, dev, torch.Generator(device=dev).manual_seed(0))
-    moved = p.weights.numel() + (p.scales.numel() if p.scales is not None else 0) + 2 * proj.n * proj.k
+    moved = p.stream_bytes + 2 * proj.n * proj.k
     packs = [p] + [type(p)(p.layout, p.weights.clone(), None if p.scales is None else p.scales.clone(),
                            p.col_scale.clone()) for _ in range(copies_for(moved, dev) - 1)]
     outs = [torch.empty(proj.n, proj.k, dtype=torch.float16, device=dev) for _ in packs]

@@ -73,7 +73,7 @@ def run_variants() -> None:
         gen = torch.Generator(device=dev).manual_seed(0)
         w = random_nvfp4(n, k, (n,), dev, gen) if fmt == "nvfp4" else random_fp8(n, k, dev, gen)
         packed = prepack(w, Layout(90, fmt, n, k))
-        nbytes = packed.weights.numel() + (packed.scales.numel() if packed.scales is not None else 0)
+        nbytes = packed.stream_bytes
         copies = copies_for(nbytes, dev)
         for m in (8, 16, 32, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.float16)

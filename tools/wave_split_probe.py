@@ -49,7 +49,7 @@ def main() -> None:
     eb = next(e for e in entries if re.search(args.b, e["name"]) and e["kplan"] == ea["kplan"])
     p = Problem(90, ea["format"], ea["epilogue"] == "silu", ea["n"], ea["k"])
     w, packed = _weights(p, dev, seed=1)
-    nbytes = packed.weights.numel() + (packed.scales.numel() if packed.scales is not None else 0)
+    nbytes = packed.stream_bytes
     copies = copies_for(nbytes, dev)
     ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
                                   None if packed.scales is None else packed.scales.clone(), packed.col_scale)

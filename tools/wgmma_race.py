@@ -89,7 +89,7 @@ def race(args: argparse.Namespace) -> list[dict]:
         for r in bad:
             print(f"  FAIL {r.name}: {r.failures[:3]}")
         w, packed = _weights(p, dev, seed=1)
-        nbytes = packed.weights.numel() + (packed.scales.numel() if packed.scales is not None else 0)
+        nbytes = packed.stream_bytes
         copies = copies_for(nbytes, dev)
         from dflashgen.runtime import GemmKernel
 
