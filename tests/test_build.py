@@ -404,3 +404,16 @@ def test_artifacts_for_skips_an_arch_the_filter_does_not_name(tmp_path: Path, mo
     arts = artifacts_for([70, 90], 90, SMALL)
     assert arts and all(e["arch"] == 70 and kind == "ptx" and p.exists() for e, p, kind in arts.values())
     assert artifacts_for([70, 90], 90, "^no_such_kernel$") == {}
+
+
+def test_chain_probe_layers_follow_the_model_at_any_tp_and_deployment() -> None:
+    """tools/chain_probe.py's layers come from the model's projections: a GDN and an attention layer
+    each run their own projections, then gate_up with SiLU and down, in forward order."""
+    cp = _tool("chain_probe")
+    fmt, gdn, attn = cp.layer_specs("qwen3.8-27b", 4, "fp8")
+    assert fmt == "fp8_channel"
+    assert [s[0] for s in gdn] == ["in_proj_qkvzba", "out_proj", "gate_up_proj+silu", "down_proj"]
+    assert [s[0] for s in attn] == ["qkv_proj", "o_proj", "gate_up_proj+silu", "down_proj"]
+    assert gdn[0][1:] == (4120, 5120, False) and attn[2][1:] == (8704, 5120, True)
+    fmt1, gdn1, _ = cp.layer_specs("qwen3.8-27b", 1, "nvfp4")
+    assert fmt1 == "nvfp4" and gdn1[3][1:] == (5120, 17408, False)
