@@ -43,13 +43,13 @@ def layer_specs(model: str, tp: int, deployment: str) -> tuple[str, list[Spec], 
     from dflashgen.deployment import load_deployment
     from dflashgen.render import problems
 
-    projs = [(p, fmt) for p, fmt, silu in problems(model, tp, load_deployment(deployment))
-             if not (p.layer_type == "mlp" and p.name == "gate_up_proj" and not silu)]
-    spec = {p.layer_type: [] for p, _ in projs}
-    for p, _ in projs:
-        spec[p.layer_type].append((p.name + ("+silu" if p.name == "gate_up_proj" else ""), p.n, p.k,
-                                   p.name == "gate_up_proj"))
-    fmts = {fmt for _, fmt in projs}
+    # the model runs gate_up with its SiLU epilogue: its plain twin (a problem of its own) is left out
+    projs = [(p, fmt, silu) for p, fmt, silu in problems(model, tp, load_deployment(deployment))
+             if silu or p.name != "gate_up_proj"]
+    spec: dict[str, list[Spec]] = {p.layer_type: [] for p, _, _ in projs}
+    for p, _, silu in projs:
+        spec[p.layer_type].append((p.name + ("+silu" if silu else ""), p.n, p.k, silu))
+    fmts = {fmt for _, fmt, _ in projs}
     if len(fmts) != 1:
         raise SystemExit(f"deployment {deployment!r} mixes weight formats {sorted(fmts)}: one format per chain")
     return fmts.pop(), spec["linear_attention"] + spec["mlp"], spec["full_attention"] + spec["mlp"]
