@@ -1,7 +1,8 @@
 """SASS instructions per K group of built kernels (the kernels are issue-bound: instructions are time).
 
-Finds the main loop (the backward branch whose body holds the HMMAs), counts its instructions and
-divides by the groups one trip covers (HMMAs in the body / HMMAs per group). Needs cuobjdump and the
+Finds the main loop (the backward branch whose body holds the MMAs: HMMA, or HGMMA in the wgmma
+kernels), counts its instructions and divides by the groups one trip covers (MMAs in the body / MMAs
+per group). Needs cuobjdump and the
 nvdisasm beside it (`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`: found in the wheels' bin
 folder; or pass --cuobjdump, or put it on PATH).
 
@@ -60,13 +61,19 @@ def main_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
             tgt = int(args.strip().split()[-1].rstrip(";"), 16)
             if tgt < addr:
                 body = [i for i in ins if tgt <= i[0] <= addr]
-                if sum(i[1].startswith("HMMA") for i in body) > sum(i[1].startswith("HMMA") for i in best):
+                if sum(map(is_mma, body)) > sum(map(is_mma, best)):
                     best = body
     return best
 
 
-def hmma_per_group(kernel: str) -> int:
+def is_mma(ins: tuple[int, str, str]) -> bool:
+    return ins[1].startswith(("HMMA", "HGMMA"))
+
+
+def mma_per_group(kernel: str) -> int:
     fmt, kg, rows, nt = NAME.search(kernel).groups()
+    if "_wc1" in kernel or "_wg1_" in kernel:  # wgmma: one m64nROWSk16 per 16 K per warp(group)
+        return int(kg) // 16
     return int(kg) // 16 * int(nt) * int(rows) // 8  # m16n8k16: one HMMA per 16 K, 8 rows, warp tile
 
 
@@ -91,7 +98,10 @@ def main() -> None:
         r = rec[name]
         body = main_loop(disassemble(a.cuobjdump, build / r["cubin"], name))
         body = [i for i in body if i[1] != "NOP"]
-        groups = sum(i[1].startswith("HMMA") for i in body) / hmma_per_group(name)
+        groups = sum(map(is_mma, body)) / mma_per_group(name)
+        if not groups:
+            print(f"{name}: no MMA loop found in its SASS")
+            continue
         res = r["resources"]
         print(f"{name}: {len(body) / groups:6.1f} instr/group ({len(body)} in loop, {groups:g} groups), "
               f"{res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}")
