@@ -50,7 +50,9 @@ def load_space(arch: int) -> ArchSpace:
         space = ArchSpace(
             arch=int(raw["arch"]), mma=str(raw["mma"]), sms=int(raw["sms"]), k_plan=dict(raw["k_plan"]),
             # x_smem_tiles: a list of [rows, warp_nt, warps_n, stages(, max threads)]; every other knob ints
-            tiles={k: [tuple(int(x) for x in v) if isinstance(v, list) else int(v) for v in vs]
+            # (a list entry may end in format tags, e.g. register_tiles' `fp8`: kept as strings)
+            tiles={k: [tuple(x if isinstance(x, str) else int(x) for x in v) if isinstance(v, list) else int(v)
+                       for v in vs]
                    for k, vs in raw["tiles"].items()}, limits=dict(raw["limits"]),
             max_m=int(raw["max_m"]), wgmma=dict(raw.get("wgmma") or {}),
         )
@@ -699,7 +701,10 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
                         if illegal_reason(c) is None and c not in out and _fills_better(c):
                             out.append(c)
     # listed register-path shapes beyond the knobs' product (register_tiles), within their thread bounds
-    for rows, warp_nt, warps_n, stages, xa, max_thr, min_thr in space.tiles.get("register_tiles", []):
+    # and, where the entry names formats (trailing tags: `fp8`, `nvfp4`), for those formats only
+    for rows, warp_nt, warps_n, stages, xa, max_thr, min_thr, *only in space.tiles.get("register_tiles", []):
+        if only and FORMAT_TAG[fmt] not in only:
+            continue
         c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=xa), serves)
         c = replace(c, tile=replace(c.tile, min_blocks=_occupancy_blocks(c)))
         if min_thr <= c.threads <= max_thr and illegal_reason(c) is None and c not in out:

@@ -182,6 +182,26 @@ def test_x_smem_tiles() -> None:
         assert model_us(replace(base, tile=t), 64) < 0.8 * model_us(r32, 64)
 
 
+def test_register_tiles_keep_to_the_formats_their_entry_names() -> None:
+    # register_tiles entries may end in format tags (schedules/sm_90.yaml: the r8 nt4 tile is FP8 only):
+    # the tagged shape is emitted for that format in its thread bounds, never for the other format
+    tagged = [e for e in load_space(90).tiles["register_tiles"] if len(e) > 7]
+    assert tagged and all(isinstance(x, str) for e in tagged for x in e[7:])
+    for rows, nt, wn, st, xa, max_thr, min_thr, *fmts in tagged:
+        for fmt, tag in (("fp8_channel", "fp8"), ("nvfp4", "nvfp4")):
+            got = [c for n, k in SHAPES for c in candidates(90, fmt, n, k)
+                   if (c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages, c.tile.x_ahead)
+                   == (rows, nt, wn, st, xa)
+                   and min_thr <= c.threads <= max_thr and not c.tile.x_smem and not c.kplan.wgmma
+                   and not c.tile.l2_ahead]
+            assert bool(got) == (tag in fmts), (fmt, rows, nt, wn, st, [c.name for c in got])
+            assert all(illegal_reason(c) is None for c in got)
+    # untagged entries (the r16 nt2 tiles) stay in both formats
+    for fmt in ("fp8_channel", "nvfp4"):
+        assert any(c.tile.rows == 16 and c.tile.warp_nt == 2 and c.tile.warps_n == 1 and c.tile.stages == 2
+                   for c in candidates(90, fmt, 14336, 5120))
+
+
 def test_wgmma_plans_and_tiles() -> None:
     # sm_90a wgmma: a K plan of its own (never mixed with mma.sync tiles), one warpgroup (4 warps x 16
     # weight rows) per K worker, B always from shared memory, rows = the instruction's N.
