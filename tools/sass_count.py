@@ -2,9 +2,8 @@
 
 Finds the main loop (the backward branch whose body holds the MMAs: HMMA, or HGMMA in the wgmma
 kernels), counts its instructions and divides by the groups one trip covers (MMAs in the body / MMAs
-per group). Needs cuobjdump and the
-nvdisasm beside it (`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`: found in the wheels' bin
-folder; or pass --cuobjdump, or put it on PATH).
+per group). Needs cuobjdump and the nvdisasm beside it (`pip install nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`: found in the wheels' bin folder; or pass --cuobjdump, or put it on PATH).
 
     python tools/sass_count.py [--cache DIR] [--arch 90] [--ops] REGEX
 """
