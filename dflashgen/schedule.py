@@ -391,13 +391,18 @@ def _mma_sync_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
     kp = space.k_plan
     alts: list[tuple[float, KPlan]] = []
     best_base = {m: _best_us(arch, fmt, n, k, base, m) for m in (8, 16)}
-    if (_imbalance(arch, fmt, n, k, base) < kp.get("alt_if_imbalance", 1.0)
-            or lay.n_pad // lay.tile_rows * kp["max_split_k"] < space.sms):
-        return [base]  # evenly loaded already, or too small to fill the GPU whatever the split
+    if lay.n_pad // lay.tile_rows * kp["max_split_k"] < space.sms:
+        return [base]  # too small to fill the GPU whatever the split
+    # An evenly loaded derived plan still races fewer CTA splits when it splits K: the warps it
+    # wants per SM are the cost model's, and each split adds a partials round trip and shortens
+    # every warp's K range (FP8 n3584, an imbalanced sk4 plan: its sk2 alternative ran M = 1 / 16
+    # 6.98 / 8.51 us against 8.69 / 11.6, session 43's tune; n4120, evenly loaded at sk4, never raced one).
+    fewer_only = _imbalance(arch, fmt, n, k, base) < kp.get("alt_if_imbalance", 1.0)
     for sk in kp.get("alt_split_k", []):
         for wk in sorted({base.warps_k, max(1, base.warps_k // 2)}):
             plan = KPlan(split_k=sk, warps_k=wk, k_group=lay.k_group)
-            if plan == base or sk > kp["max_split_k"] or groups // (sk * wk) < kp["min_groups_per_worker"]:
+            if (plan == base or sk > kp["max_split_k"] or groups // (sk * wk) < kp["min_groups_per_worker"]
+                    or (fewer_only and sk >= base.split_k)):
                 continue
             ratio = min(_best_us(arch, fmt, n, k, plan, m) / best_base[m] for m in (8, 16))
             if ratio <= 1.0 + kp.get("alt_slack", 0.0):

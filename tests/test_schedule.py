@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+import dflashgen.schedule as sched
 from dflashgen.schedule import (
     KernelSpec,
     KPlan,
@@ -67,6 +68,21 @@ def test_down_proj_has_an_evenly_loaded_candidate() -> None:
         if fmt == "nvfp4":  # issue-bound per SM: even loading is predicted to pay (FP8 is DRAM-bound)
             assert min(model_us(c, 8) for c in cands) < 0.9 * min(
                 model_us(c, 8) for c in cands if c.kplan == k_plan(90, fmt, 5120, 17408) and c.tile.warps_n == 2)
+
+
+def test_an_evenly_loaded_split_plan_races_fewer_splits_only() -> None:
+    # FP8 n4120 (TP4 in_proj_qkvzba): the derived sk4 plan loads every SM evenly, so the imbalance gate
+    # alone offered no alternative, while its near twin n3584 measured sk2 20-27% faster than sk4.
+    # Evenly loaded split plans now race fewer CTA splits (never more); unsplit ones still race nothing.
+    space = load_space(90)
+    for fmt, n, k in (("fp8_channel", 4120, 5120), ("nvfp4", 4120, 5120), ("nvfp4", 16480, 5120)):
+        base = k_plan(90, fmt, n, k)
+        plans = sched._mma_sync_plans(90, fmt, n, k)
+        assert plans[0] == base and sched._imbalance(90, fmt, n, k, base) < space.k_plan["alt_if_imbalance"]
+        assert all(p.split_k < base.split_k for p in plans[1:]), (fmt, n, plans)
+    assert KPlan(split_k=2, warps_k=8, k_group=32) in sched._mma_sync_plans(90, "fp8_channel", 4120, 5120)
+    assert any(c.kplan.split_k == 2 for c in candidates(90, "fp8_channel", 4120, 5120))
+    assert sched._mma_sync_plans(90, "nvfp4", 16480, 5120) == [k_plan(90, "nvfp4", 16480, 5120)]
 
 
 def test_cost_model_matches_the_measured_sm_fill_miss() -> None:
@@ -282,8 +298,6 @@ def test_deep_stage_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mon
     """deep_stages: register-path tiles of <= deep_max_rows rows and <= deep_max_threads threads
     also come with a deeper weight ring (more bytes in flight at M <= 16); the K plans are derived
     from the base stages alone, so adding them never changes which plans a problem has."""
-    import dflashgen.schedule as sched
-
     space = load_space(90)
     problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("fp8_channel", 34816, 5120),
                 ("nvfp4", 8704, 5120), ("fp8_channel", 5120, 4352))
@@ -307,8 +321,6 @@ def test_deep_stage_tiles_race_inside_the_existing_plans(monkeypatch: pytest.Mon
 def _assert_plans_without(monkeypatch: pytest.MonkeyPatch, knob: str) -> None:
     """The sm_90 K plans of three problems are the same with the space's `knob` list emptied (extra tile
     knobs race inside the plans and never change which exist); leaves the emptied space patched in."""
-    import dflashgen.schedule as sched
-
     problems = (("nvfp4", 34816, 5120), ("fp8_channel", 5120, 17408), ("nvfp4", 5120, 4352))
     space = load_space(90)
     plans = {p: sched._mma_sync_plans(90, *p) for p in problems}
@@ -380,7 +392,6 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
     stages) also comes with its lanes prefetching into L2 the words the next trip's refills load
     (names `_pf1`). Same K plans (they never change which plans exist), same cost-model time and
     launch bounds as the twin, sm_90 only, and only their sources declare L2_AHEAD."""
-    import dflashgen.schedule as sched
     from dflashgen.render import render_kernel
     from dflashgen.tune import spec_of
 
@@ -467,7 +478,6 @@ def test_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch, tmp_
     every K plan with the extra warp, always-dynamic shared memory as the kernel lays it out, its own
     template (inside the tables' kernel-library hash), and NVRTC compiles them for compute_90."""
     import dflashgen.render as render
-    import dflashgen.schedule as sched
     from dflashgen.render import GEMM_TEMPLATES, gemm_source_hash, render_kernel
     from dflashgen.toolchain import nvrtc_compile
     from dflashgen.tune import spec_of
@@ -515,7 +525,6 @@ def test_wgmma_producer_tiles_render_and_compile(monkeypatch: pytest.MonkeyPatch
     ring) and one weight warp (a ring of `stages`), built for sm_90a. Every
     listed shape appears on every mma.sync K plan of a large problem; sm_70 / sm_80 have none; NVRTC
     compiles one (a split-K plan: the fold of the finished splits) for compute_90a."""
-    import dflashgen.schedule as sched
     from dflashgen.render import render_kernel
     from dflashgen.toolchain import nvrtc_compile
     from dflashgen.tune import spec_of
