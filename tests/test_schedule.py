@@ -71,19 +71,29 @@ def test_down_proj_has_an_evenly_loaded_candidate() -> None:
 
 
 def test_an_evenly_loaded_split_plan_races_fewer_splits_only() -> None:
-    # FP8 n4120 (TP4 in_proj_qkvzba): the derived sk4 plan loads every SM evenly, so the imbalance gate
-    # alone offered no alternative, while its near twin n3584 measured sk2 20-27% faster than sk4.
-    # Evenly loaded split plans now race fewer CTA splits (never more); unsplit ones still race nothing.
+    # A split derived plan that loads every SM evenly gave the imbalance gate no reason to offer an
+    # alternative, while FP8 n3584 measured sk2 20-27% faster than sk4 (session 43) and n4120, evenly
+    # loaded at sk4, never raced one. Evenly loaded split plans now race fewer CTA splits (never more);
+    # unsplit ones still race nothing.
     space = load_space(90)
-    for fmt, n, k in (("fp8_channel", 4120, 5120), ("nvfp4", 4120, 5120), ("nvfp4", 16480, 5120)):
-        base = k_plan(90, fmt, n, k)
-        plans = sched._mma_sync_plans(90, fmt, n, k)
-        assert plans[0] == base and sched._imbalance(90, fmt, n, k, base) < space.k_plan["alt_if_imbalance"]
-        assert all(p.split_k < base.split_k for p in plans[1:]), (fmt, n, plans)
-    assert KPlan(split_k=2, warps_k=8, k_group=32) in sched._mma_sync_plans(90, "fp8_channel", 4120, 5120)
-    assert any(c.kplan.split_k == 2 for c in candidates(90, "fp8_channel", 4120, 5120))
-    assert sched._mma_sync_plans(90, "nvfp4", 16480, 5120) == [k_plan(90, "nvfp4", 16480, 5120)]
+    for fmt in ("fp8_channel", "nvfp4"):
+        for n, k in ((2048, 5120), (16480, 5120), (4120, 5120)):
+            base = k_plan(90, fmt, n, k)
+            plans = sched._mma_sync_plans(90, fmt, n, k)
+            assert plans[0] == base and sched._imbalance(90, fmt, n, k, base) < space.k_plan["alt_if_imbalance"]
+            assert all(p.split_k < base.split_k for p in plans[1:]), (fmt, n, plans)
+    assert k_plan(90, "fp8_channel", 2048, 5120).split_k == 4
+    assert KPlan(split_k=3, warps_k=8, k_group=32) in sched._mma_sync_plans(90, "fp8_channel", 2048, 5120)
 
+
+def test_tp4_in_proj_and_qkv_are_not_split() -> None:
+    # split_if_below 0.4 (was 0.5): at warps_k 8 the TP4 in_proj_qkvzba (n4120) and qkv (n3584) problems
+    # fill the H200 without CTA splits, and unsplit they ran 14-25% faster at M = 1-16 than their sk2 /
+    # sk4 plans in both formats (session 44 c5: FP8 n4120 M = 16 9.02 -> 7.81 us, NVFP4 n3584 8.31 -> 6.92).
+    for fmt in ("fp8_channel", "nvfp4"):
+        for n in (4120, 3584):
+            assert k_plan(90, fmt, n, 5120) == KPlan(split_k=1, warps_k=8, k_group=32 if fmt == "fp8_channel" else 64)
+    assert k_plan(90, "nvfp4", 2048, 5120).split_k > 1  # still split where warps_k 8 falls well short
 
 def test_cost_model_matches_the_measured_sm_fill_miss() -> None:
     # H200, bench/h200-2026-11-29-s2: the tuned NVFP4 down_proj r8 kernels took 18.5 us at M = 8
