@@ -395,8 +395,8 @@ def _mma_sync_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
         return [base]  # too small to fill the GPU whatever the split
     # An evenly loaded derived plan still races fewer CTA splits when it splits K: the warps it
     # wants per SM are the cost model's, and each split adds a partials round trip and shortens
-    # every warp's K range (FP8 n3584, an imbalanced sk4 plan: its sk2 alternative ran M = 1 / 16
-    # 6.98 / 8.51 us against 8.69 / 11.6, session 43's tune; n4120, evenly loaded at sk4, never raced one).
+    # every warp's K range (H200: FP8 n4120's evenly loaded sk4 plan never raced its sk2 alternative,
+    # 7.4 against 10.3 us at M = 1 once it did; session 44).
     fewer_only = _imbalance(arch, fmt, n, k, base) < kp.get("alt_if_imbalance", 1.0)
     for sk in kp.get("alt_split_k", []):
         for wk in sorted({base.warps_k, max(1, base.warps_k // 2)}):

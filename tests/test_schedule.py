@@ -95,6 +95,7 @@ def test_tp4_in_proj_and_qkv_are_not_split() -> None:
             assert k_plan(90, fmt, n, 5120) == KPlan(split_k=1, warps_k=8, k_group=32 if fmt == "fp8_channel" else 64)
     assert k_plan(90, "nvfp4", 2048, 5120).split_k > 1  # still split where warps_k 8 falls well short
 
+
 def test_cost_model_matches_the_measured_sm_fill_miss() -> None:
     # H200, bench/h200-2026-11-29-s2: the tuned NVFP4 down_proj r8 kernels took 18.5 us at M = 8
     # (80 CTAs of 512 threads, or 160 at 2 per SM); the model must not call them fast.
