@@ -10,12 +10,12 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _layer_weights(fmt: str, dev: torch.device):
+def _layer_weights(fmt: str, dev: torch.device, tp: int = 4):
     from dflashgen import quant
     from dflashgen.model import derive_projections, load_model_config
 
     gen = torch.Generator(device=dev).manual_seed(0)
-    for p in derive_projections(load_model_config(), 4):
+    for p in derive_projections(load_model_config(), tp):
         if p.name == "lm_head":
             continue
         w = torch.randn(p.n, p.k, device=dev, generator=gen, dtype=torch.float16) * 0.02
@@ -88,15 +88,18 @@ def test_compiled_block_uses_the_op() -> None:
 
 
 def _kernel_module(lib, split_k: bool):
-    """A TP4 projection (NVFP4) whose M = 8 bucket this GPU's table serves with a kernel, with or
-    without split-K (one launch per call either way), as a QuantLinear; skips if the table has none."""
+    """A projection (NVFP4; TP4 shapes first, then TP1) whose M = 8 bucket this GPU's table serves
+    with a kernel, with or without split-K (one launch per call either way), as a QuantLinear; skips
+    if the table has none. (Since session 44 the H200 table serves no TP4 NVFP4 projection with a
+    split-K kernel; TP1 down_proj / o_proj still take one.)"""
     from dflashgen.runtime.linear import QuantLinear
 
-    for p, q in _layer_weights("nvfp4", lib.device):
-        mod = QuantLinear(q, p.name, library=lib)
-        choice = lib.choose(mod.packed(), 8)
-        if choice.path == "kernel" and (lib.kernel(choice.kernel).split_k > 1) == split_k:
-            return mod, p
+    for tp in (4, 1):
+        for p, q in _layer_weights("nvfp4", lib.device, tp):
+            mod = QuantLinear(q, p.name, library=lib)
+            choice = lib.choose(mod.packed(), 8)
+            if choice.path == "kernel" and (lib.kernel(choice.kernel).split_k > 1) == split_k:
+                return mod, p
     pytest.skip(f"the table serves no M=8 projection with a {'split-K ' if split_k else ''}kernel")
 
 
