@@ -408,7 +408,16 @@ def _mma_sync_plans(arch: int, fmt: str, n: int, k: int) -> list[KPlan]:
             if ratio <= 1.0 + kp.get("alt_slack", 0.0):
                 alts.append((ratio, plan))
     alts.sort(key=lambda a: (a[0], a[1].split_k, a[1].warps_k))
-    return [base] + [p for _, p in alts[: kp.get("max_alt_plans", 0)]]
+    plans = [base] + [p for _, p in alts[: kp.get("max_alt_plans", 0)]]
+    # An unsplit plan whose warps hold few K groups each also races half the warps along K: the ring's
+    # prologue is most of such a warp's work, and the half-size CTAs take the deep stages and fit more
+    # per SM (H200, session 45: FP8 k1536, 6 groups per warp at warps_k 8, M = 16 4.87 -> 4.18 us at
+    # warps_k 4; NVFP4 n8704 + SiLU, 10 groups, M = 8 11.19 -> 8.61 us; FP8 k4352's 17 lost 2%)
+    half = KPlan(split_k=1, warps_k=base.warps_k // 2, k_group=lay.k_group)
+    if (base.split_k == 1 and groups // base.warps_k < kp.get("halve_warps_k_below", 0)
+            and half.warps_k >= 1 and half not in plans):
+        plans.append(half)
+    return plans
 
 
 def _imbalance(arch: int, fmt: str, n: int, k: int, plan: KPlan) -> float:
