@@ -81,7 +81,8 @@ def test_an_evenly_loaded_split_plan_races_fewer_splits_only() -> None:
             base = k_plan(90, fmt, n, k)
             plans = sched._mma_sync_plans(90, fmt, n, k)
             assert plans[0] == base and sched._imbalance(90, fmt, n, k, base) < space.k_plan["alt_if_imbalance"]
-            assert all(p.split_k < base.split_k for p in plans[1:]), (fmt, n, plans)
+            splits = [p for p in plans[1:] if p != KPlan(1, base.warps_k // 2, base.k_group)]  # the short-K half plan
+            assert all(p.split_k < base.split_k for p in splits), (fmt, n, plans)
     assert k_plan(90, "fp8_channel", 2048, 5120).split_k == 4
     assert KPlan(split_k=3, warps_k=8, k_group=32) in sched._mma_sync_plans(90, "fp8_channel", 2048, 5120)
 
@@ -94,6 +95,25 @@ def test_tp4_in_proj_and_qkv_are_not_split() -> None:
         for n in (4120, 3584):
             assert k_plan(90, fmt, n, 5120) == KPlan(split_k=1, warps_k=8, k_group=32 if fmt == "fp8_channel" else 64)
     assert k_plan(90, "nvfp4", 2048, 5120).split_k > 1  # still split where warps_k 8 falls well short
+
+
+def test_an_unsplit_plan_with_few_k_groups_per_warp_races_half_the_warps() -> None:
+    # Session 45 (H200): FP8 k1536 holds 6 K groups per warp at warps_k 8 and ran M = 16 in 4.18 us at
+    # warps_k 4 (4.87 served); NVFP4 n8704 + SiLU (10 groups) M = 8 11.19 -> 8.61 us; FP8 k4352 (17
+    # groups) lost 2%. An unsplit plan below halve_warps_k_below groups per warp races warps_k / 2 too;
+    # split plans and longer K ranges do not.
+    below = load_space(90).k_plan["halve_warps_k_below"]
+    for fmt, n, k, wants_half in (("fp8_channel", 5120, 1536, True), ("nvfp4", 8704, 5120, True),
+                                  ("nvfp4", 5120, 4352, True), ("fp8_channel", 5120, 4352, False),
+                                  ("fp8_channel", 8704, 5120, False), ("nvfp4", 5120, 17408, False)):
+        base = k_plan(90, fmt, n, k)
+        half = KPlan(split_k=1, warps_k=base.warps_k // 2, k_group=base.k_group)
+        short = base.split_k == 1 and k // base.k_group // base.warps_k < below
+        assert short == wants_half, (fmt, n, k, base)
+        assert (half in sched._mma_sync_plans(90, fmt, n, k)) == wants_half, (fmt, n, k)
+    # and the half plan's tiles are generated (the tuner can pick it; it is chosen over all M buckets)
+    names = [c.name for c in candidates(90, "fp8_channel", 5120, 1536)]
+    assert any("_sk1_wk4_" in nm for nm in names) and any("_sk1_wk8_" in nm for nm in names)
 
 
 def test_cost_model_matches_the_measured_sm_fill_miss() -> None:
