@@ -173,6 +173,28 @@ def nvrtc_compile(src: Path, out: Path, arch: int | str, extra: tuple[str, ...] 
     return text
 
 
+_FUNCTION = re.compile(r"^(?:\.(?:visible|weak|extern) )*\.(?:entry|func) ", re.M)
+_ENTRY_NAME = re.compile(r"^(?:\.visible )?\.entry (\w+)\(")
+
+
+def split_ptx(text: str) -> dict[str, str]:
+    """A PTX module with several kernels (one build unit) -> one module per kernel: the module-scope
+    text (version, target, declarations and any device functions) plus that kernel, its labels and
+    local depot numbered as in a module of its own, so it equals a lone compile of the kernel up to
+    the unit's internal-name hash."""
+    cuts = [m.start() for m in _FUNCTION.finditer(text)]
+    blocks = [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)], strict=True)]
+    shared = text[:cuts[0]] if cuts else text
+    shared += "".join(b for b in blocks if not _ENTRY_NAME.match(b))
+    out = {}
+    for b in blocks:
+        if m := _ENTRY_NAME.match(b):
+            b = b[:b.rindex("}") + 1] + "\n"  # what follows is the next kernel's `// .globl` comment
+            b = re.sub(r"\$L__BB\d+_", "$L__BB0_", b)
+            out[m.group(1)] = shared + re.sub(r"__local_depot\d+", "__local_depot0", b)
+    return out
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
@@ -229,8 +251,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--arch", type=_target, required=True)
         # the kernel headers the build hashed (build.ninja passes them; default: this install's)
         p.add_argument("--headers", type=Path, default=None)
+    p = sub.add_parser("split-ptx", help="split a build unit's PTX into one module per kernel")
+    p.add_argument("src", type=Path)
+    p.add_argument("entries", nargs="+", help="NAME=OUT: where each kernel's module goes")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "split-ptx":
+            mods = split_ptx(args.src.read_text())
+            for spec in args.entries:
+                name, _, out = spec.partition("=")
+                if name not in mods:
+                    raise ToolchainError(f"{args.src} has no kernel {name}")
+                _atomic_write(Path(out), mods[name].encode())
+            return 0
         if args.cmd == "nvrtc":
             log = nvrtc_compile(args.src, args.out, args.arch, headers=args.headers)
             log = "\n".join(x for x in log.splitlines() if "deprecated" not in x and x.strip())

@@ -417,3 +417,44 @@ def test_chain_probe_layers_follow_the_model_at_any_tp_and_deployment() -> None:
     assert gdn[0][1:] == (4120, 5120, False) and attn[2][1:] == (8704, 5120, True)
     fmt1, gdn1, _ = cp.layer_specs("qwen3.8-27b", 1, "nvfp4")
     assert fmt1 == "nvfp4" and gdn1[3][1:] == (5120, 17408, False)
+
+
+def test_kernels_sharing_a_translation_unit_get_the_ptx_of_a_lone_compile(tmp_path: Path) -> None:
+    """Missing GEMM kernels compile as shared units (one header parse), then split per kernel: each
+    kernel's module must be what compiling it alone gives, so sharing a unit changes no kernel."""
+    from dflashgen.render import generated_dir
+    from dflashgen.toolchain import nvrtc_compile
+
+    pattern = "^dfg_sm70_fp8_store_n5120_k1536_"
+    res = build([70], only=pattern, build_dir=tmp_path, progress=False, jobs=1)
+    assert len(res.artifacts) >= 2
+    units = list((tmp_path / "sm_70" / "units").glob("*.ptx"))
+    assert len(units) == 1 and all(n in units[0].read_text() for n in res.artifacts)
+    entries = {e["name"]: e for e in load_manifest()["kernels"]}
+    for name, art in sorted(res.artifacts.items())[:2]:
+        lone = tmp_path / f"{name}.ptx"
+        nvrtc_compile(generated_dir() / entries[name]["file"], lone, "70")
+        # the kernel itself identical; module scope differs only in unused declarations (the unit's
+        # other kernels' constants and demoted-shared comments) and its internal-name hash
+        mine, alone = art.ptx.read_text(), lone.read_text()
+        assert mine.count(".entry ") == 1
+        assert mine[mine.index(".visible .entry"):].rstrip() == alone[alone.index(".visible .entry"):].rstrip()
+        assert mine[:mine.index("\n.address_size")] == alone[:alone.index("\n.address_size")]
+    assert res.resources()  # each cubin's ptxas report names its kernel
+
+
+def test_split_ptx_keeps_module_scope_text_and_renumbers_labels() -> None:
+    from dflashgen.toolchain import split_ptx
+
+    ptx = (".version 8.8\n.target sm_70\n.address_size 64\n.global .align 4 .b8 tab[16];\n"
+           ".func (.param .b32 r) helper(.param .b32 a)\n{\n\tret;\n}\n"
+           "\t// .globl\tk0\n.visible .entry k0(\n\t.param .u64 k0_param_0\n)\n{\n$L__BB1_1:\n\tret;\n}\n"
+           "\t// .globl\tk1\n.visible .entry k1(\n\t.param .u64 k1_param_0\n)\n{\n"
+           "\t.local .align 8 .b8 \t__local_depot2[8];\n$L__BB2_3:\n\tbra $L__BB2_3;\n}\n")
+    mods = split_ptx(ptx)
+    assert sorted(mods) == ["k0", "k1"]
+    for name, other in (("k0", "k1"), ("k1", "k0")):
+        m = mods[name]
+        assert m.startswith(".version 8.8\n") and "tab[16]" in m and "helper(" in m
+        assert f".entry {name}(" in m and f".entry {other}(" not in m
+    assert "$L__BB0_1:" in mods["k0"] and "bra $L__BB0_3;" in mods["k1"] and "__local_depot0[8]" in mods["k1"]
