@@ -93,7 +93,8 @@ def _tune(args: argparse.Namespace) -> int:
 
     ms = tuple(args.ms) if args.ms else BUCKETS
     out = run(Path(args.targets) if args.targets else None, Path(args.out) if args.out else None,
-              only=args.only, ms=ms, carry=Path(args.carry) if getattr(args, "carry", None) else None)
+              Path(args.journal) if getattr(args, "journal", None) else None, only=args.only, ms=ms,
+              carry=Path(args.carry) if getattr(args, "carry", None) else None)
     print(f"tuning table written: {out}")
     return 0
 
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--carry", default=None, metavar="REPORT",
                    help="an earlier run's measurements report (<table>.measurements.json[.gz]): its problems "
                         "measured on this kind of machine whose kernels are unchanged are kept, not re-timed")
+    t.add_argument("--journal", default=None, metavar="PATH",
+                   help="where finished problems are kept as they finish (default <table>.journal.json): "
+                        "a run interrupted and started again with the same journal resumes")
     t.add_argument("--heuristic", type=int, metavar="ARCH", default=None,
                    help="no GPU: write an untuned cost-model table for this arch (e.g. 70)")
     t.set_defaults(fn=_tune)

@@ -379,11 +379,17 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
         print(f"{len(carried)} problems carried from {carry} (this kind of machine, unchanged kernels)")
     done = {**carried, **load_journal(journal, fp, hashes)}
     todo = [p for p in probs if p.key not in done]
-    # build (if missing) and load only the kernels of the problems left to measure
-    images, entries_by_key = native_kernels(arch, problems_regex(todo)) if todo else ({}, {})
     bw = read_bandwidth(device)
-    fp8_ok = arch >= 89
     t0 = time.time()
+    # build (if missing) and load only the kernels left to measure: the cost model's survivors at
+    # some bucket of the problems left (tune_problem prunes the same way, so the rest is never timed)
+    every_entry = manifest_problems(arch)
+    names = sorted({e["name"] for p in todo for m in ms for e in prune(every_entry[p.key], m, bw)})
+    images, entries_by_key = native_kernels(arch, "^(" + "|".join(names) + ")$") if names else ({}, {})
+    t_build = time.time() - t0
+    if names:
+        print(f"{len(names)} candidate kernels of {len(todo)} problems ready in {t_build:.0f} s")
+    fp8_ok = arch >= 89
     for p in tqdm(probs, desc="tune", unit="problem", disable=not progress):
         if p.key in done:
             continue
@@ -393,7 +399,8 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
         torch.cuda.empty_cache()
     table = TuningTable({"schema": 1, "tuned": True, "fingerprint": fp,
                          "note": f"dflashgen tune on {fp['gpu']}: {len(done) - len(carried)} problems in "
-                                 f"{time.time() - t0:.0f} s; read bandwidth {bw:.0f} GB/s"
+                                 f"{time.time() - t0:.0f} s ({t_build:.0f} s of it building "
+                                 f"{len(names)} kernels); read bandwidth {bw:.0f} GB/s"
                                  + (f"; {len(carried)} carried from {carry.name}" if carried else ""),
                          "problems": {k: {"kplan": v["kplan"], "buckets": v["buckets"]} for k, v in done.items()}},
                         str(out))
