@@ -104,8 +104,9 @@ def test_an_unsplit_plan_with_few_k_groups_per_warp_races_half_the_warps() -> No
     # split plans and longer K ranges do not.
     below = load_space(90).k_plan["halve_warps_k_below"]
     for fmt, n, k, wants_half in (("fp8_channel", 5120, 1536, True), ("nvfp4", 8704, 5120, True),
-                                  ("nvfp4", 5120, 4352, True), ("fp8_channel", 5120, 4352, False),
-                                  ("fp8_channel", 8704, 5120, False), ("nvfp4", 5120, 17408, False)):
+                                  ("nvfp4", 5120, 4352, True), ("fp8_channel", 8704, 5120, True),
+                                  ("fp8_channel", 16480, 5120, True), ("fp8_channel", 5120, 17408, False),
+                                  ("fp8_channel", 34816, 5120, False), ("nvfp4", 5120, 17408, False)):
         base = k_plan(90, fmt, n, k)
         half = KPlan(split_k=1, warps_k=base.warps_k // 2, k_group=base.k_group)
         short = base.split_k == 1 and k // base.k_group // base.warps_k < below
