@@ -723,13 +723,24 @@ def _plan_tiles(arch: int, fmt: str, n: int, k: int, silu: bool, kp: KPlan,
         c = replace(c, tile=replace(c.tile, min_blocks=_occupancy_blocks(c)))
         if min_thr <= c.threads <= max_thr and illegal_reason(c) is None and c not in out:
             out.append(c)
-    # capped x_smem shapes: a listed shape capped for the fewest CTAs per SM that put its whole grid at
-    # M = rows in one wave, where that is 2 .. the listed warps per SM (x_smem_capped_tiles)
-    for rows, warp_nt, warps_n, stages, warps in space.tiles.get("x_smem_capped_tiles", []):
-        c = KernelSpec(arch, fmt, n, k, silu, kp, Tile(rows, warp_nt, warps_n, stages, x_ahead=0, x_smem=1), serves)
+    # capped shapes: a listed shape capped for the fewest CTAs per SM that put its whole grid at M = rows
+    # in one wave, where that is 2 .. the listed warps per SM (x_smem_capped_tiles: [rows, warp_nt,
+    # warps_n, stages, warps]; register_capped_tiles: [rows, warp_nt, warps_n, stages, x_ahead, warps(,
+    # format tags)], register-path tiles)
+    capped = [(Tile(r, nt, wn, st, x_ahead=0, x_smem=1), w)
+              for r, nt, wn, st, w in space.tiles.get("x_smem_capped_tiles", [])]
+    capped += [(Tile(r, nt, wn, st, x_ahead=xa), w)
+               for r, nt, wn, st, xa, w, *only in space.tiles.get("register_capped_tiles", [])
+               if not only or FORMAT_TAG[fmt] in only]
+    for tile, warps in capped:
+        c = KernelSpec(arch, fmt, n, k, silu, kp, tile, serves)
+        rows = tile.rows
         mb = -(-math.prod(c.grid(rows)) // space.sms)
-        if not 2 <= mb <= warps * 32 // c.threads or _reg_need(c, space) <= 65536 // (c.threads * mb):
-            continue  # no wave to save, or one the tile's registers reach without a cap
+        # no wave to save, or one the tile reaches without this cap (x_smem tiles carry no hint: their
+        # registers decide; register-path tiles carry their own occupancy hint)
+        reached = (_reg_need(c, space) <= 65536 // (c.threads * mb) if tile.x_smem else mb <= _occupancy_blocks(c))
+        if not 2 <= mb <= warps * 32 // c.threads or reached:
+            continue
         c = replace(c, tile=replace(c.tile, min_blocks=mb))
         if illegal_reason(c) is None and c not in out:
             out.append(c)

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Session 46 call 4 (the schedule of commit <this session's r16 wn1 commit>: NVFP4 r16 nt1 wn1 st4 in the
+# warps_k 4 plans, and capped for 5 per SM where that makes one wave: n8704): re-tune the problems whose
+# candidates changed (--carry c1's report), GPU tests of the newly served kernels + dispatch, bench.
+export DFLASHGEN_CACHE=/root/dfg-cache; mkdir -p $DFLASHGEN_CACHE
+[ -f $DFLASHGEN_CACHE/.unpacked ] || { cp .build/build.tar.gz $DFLASHGEN_CACHE/ && touch $DFLASHGEN_CACHE/.unpacked; }
+[ -d $DFLASHGEN_CACHE/include/cute ] || cp -r .build/include $DFLASHGEN_CACHE/
+source tools/gpu_env.sh; dfg_install
+H=bench/h200-2026-12-02-s46; S=bench/h200-2026-12-02-s44
+L=/tmp/c4; mkdir -p $OUT/c4 $L
+t0=$SECONDS
+git show HEAD:tuning/nvidia-h200.json > /tmp/old-table.json
+timeout 300 dflashgen tune --carry $H/c1/tune-measurements.json.gz --journal /root/tune4.journal.json > $L/tune.log 2>&1
+echo "tune rc $? at $((SECONDS - t0)) s"; grep -v "it/s\]\|s/it\]" $L/tune.log | tail -3
+gzip -c tuning/nvidia-h200.measurements.json > $OUT/c4/tune-measurements.json.gz 2>/dev/null
+cp tuning/nvidia-h200.json $OUT/c4/ 2>/dev/null
+NEW=$(python3 -c "
+import json
+o=json.load(open('/tmp/old-table.json')); n=json.load(open('tuning/nvidia-h200.json'))
+s=lambda t: {b['kernel'] for p in t['problems'].values() for b in p['buckets'] if b.get('kernel')}
+print('|'.join(sorted(s(n)-s(o))))")
+echo "new served: $NEW"
+served=$(python3 -c "import json; t=json.load(open('tuning/nvidia-h200.json')); print('|'.join(sorted({b['kernel'] for p in t['problems'].values() for b in p['buckets'] if b.get('kernel')})))")
+dflashgen build --arch 90 -j 16 -q --only "$(cat $S/build-only.txt)|$served" > $L/build.txt 2>&1; tail -1 $L/build.txt
+DFLASHGEN_GPU_ONLY="$NEW" timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_tune.py \
+  tests/test_gpu_runtime.py -k "test_kernel_group or tuned or dispatch or fast_path or bad_input or graph" -rfE > $L/pytest.log 2>&1
+echo "pytest rc $? at $((SECONDS - t0)) s"; tail -2 $L/pytest.log
+timeout 60 dflashgen bench --ms 1 8 16 64 --out $L/bench > $L/bench.log 2>&1
+echo "bench rc $? at $((SECONDS - t0)) s"; cp $L/bench/bench.json $OUT/c4/
+python3 -c "
+import json; b=json.load(open('$L/bench/bench.json'))
+for f in b['forward_totals']: print(f['deployment'], f['tp'], f['m'], f['ours_ms'], f['roofline_fraction'])
+print('read', b['read_gbs'])"
+tar czf $OUT/c4/logs.tgz -C $L tune.log build.txt pytest.log bench.log
