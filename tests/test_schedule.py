@@ -230,19 +230,29 @@ def test_x_smem_tiles() -> None:
         assert model_us(replace(base, tile=t), 64) < 0.8 * model_us(r32, 64)
 
 
-def test_register_tiles_keep_to_the_formats_their_entry_names() -> None:
+def test_register_tiles_keep_to_the_formats_their_entry_names(monkeypatch: pytest.MonkeyPatch) -> None:
     # register_tiles entries may end in format tags (schedules/sm_90.yaml: the r8 nt4 tile is FP8 only):
-    # the tagged shape is emitted for that format in its thread bounds, never for the other format
-    tagged = [e for e in load_space(90).tiles["register_tiles"] if len(e) > 7]
+    # the tagged shape is added for that format in its thread bounds, never for the other format (where
+    # the knobs' product may still emit the shape on its own: FP8's r16 nt1 wn1 st4)
+    space = load_space(90)
+    tagged = [e for e in space.tiles["register_tiles"] if len(e) > 7]
     assert tagged and all(isinstance(x, str) for e in tagged for x in e[7:])
+    off = replace(space, tiles={**space.tiles, "register_tiles": []})
+
+    def shaped(fmt: str, shape: tuple[int, ...], max_thr: int, min_thr: int) -> list[KernelSpec]:
+        return [c for n, k in SHAPES for c in candidates(90, fmt, n, k)
+                if (c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages, c.tile.x_ahead) == shape
+                and min_thr <= c.threads <= max_thr and not c.tile.x_smem and not c.kplan.wgmma
+                and not c.tile.l2_ahead]
+
     for rows, nt, wn, st, xa, max_thr, min_thr, *fmts in tagged:
         for fmt, tag in (("fp8_channel", "fp8"), ("nvfp4", "nvfp4")):
-            got = [c for n, k in SHAPES for c in candidates(90, fmt, n, k)
-                   if (c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages, c.tile.x_ahead)
-                   == (rows, nt, wn, st, xa)
-                   and min_thr <= c.threads <= max_thr and not c.tile.x_smem and not c.kplan.wgmma
-                   and not c.tile.l2_ahead]
-            assert bool(got) == (tag in fmts), (fmt, rows, nt, wn, st, [c.name for c in got])
+            got = shaped(fmt, (rows, nt, wn, st, xa), max_thr, min_thr)
+            with monkeypatch.context() as mp:
+                mp.setattr(sched, "load_space", lambda arch: off if arch == 90 else load_space(arch))
+                product = shaped(fmt, (rows, nt, wn, st, xa), max_thr, min_thr)
+            added = {c.name for c in got} - {c.name for c in product}
+            assert bool(added) == (tag in fmts), (fmt, rows, nt, wn, st, sorted(added))
             assert all(illegal_reason(c) is None for c in got)
     # untagged entries (the r16 nt2 tiles) stay in both formats
     for fmt in ("fp8_channel", "nvfp4"):
@@ -432,6 +442,7 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
     _assert_plans_without(monkeypatch, "l2_ahead")
     assert not any(c.tile.l2_ahead for c in candidates(90, "nvfp4", 34816, 5120))
     monkeypatch.undo()
+    unlisted = replace(space, tiles={**space.tiles, "register_tiles": [], "register_capped_tiles": []})
     for fmt, n, k in problems:
         cands = candidates(90, fmt, n, k)
         pf = [c for c in cands if c.tile.l2_ahead]
@@ -439,11 +450,12 @@ def test_l2_ahead_tiles_are_twins_of_register_path_tiles(monkeypatch: pytest.Mon
         twins = {replace(c, tile=replace(c.tile, l2_ahead=0)) for c in pf}
         # each one's twin is emitted, with the same launch bounds; and every eligible tile has one
         assert twins <= set(cands)
-        # every eligible tile has one, unless its register cap leaves no room for the prefetch
-        # (register_tiles shapes come as listed, without a twin)
-        listed = {tuple(x[:5]) for x in space.tiles.get("register_tiles", [])}
-        eligible = {c for c in cands if not (c.tile.x_smem or c.tile.w_async or c.tile.l2_ahead)
-                    and (c.tile.rows, c.tile.warp_nt, c.tile.warps_n, c.tile.stages, c.tile.x_ahead) not in listed
+        # every eligible tile of the knobs' product has one, unless its register cap leaves no room for
+        # the prefetch (the listed register_tiles / capped shapes come as listed, without a twin)
+        with monkeypatch.context() as mp:
+            mp.setattr(sched, "load_space", lambda arch: unlisted if arch == 90 else load_space(arch))
+            product = candidates(90, fmt, n, k)
+        eligible = {c for c in product if not (c.tile.x_smem or c.tile.w_async or c.tile.l2_ahead)
                     and c.tile.x_ahead == 1 and c.tile.rows <= max(space.tiles["l2_ahead_max_rows"])
                     and 65536 // (c.threads * c.tile.min_blocks) >= c.reg_estimate() + sched.L2_AHEAD_REGS}
         assert twins == eligible
@@ -679,3 +691,31 @@ def test_persist_tiles_run_the_rest_column_blocks_as_k_workers() -> None:
     c = next(c for c in candidates(90, "nvfp4", 34816, 5120) if c.tile.persist)
     for bad, why in ((dict(persist=100), "rest"), (dict(persist=200), "rest"), (dict(w_self=0), "w_self")):
         assert why in illegal_reason(replace(c, tile=replace(c.tile, **bad)))
+
+
+def test_capped_tiles_appear_only_where_the_cap_buys_one_wave() -> None:
+    """register_capped_tiles / x_smem_capped_tiles: a listed shape capped (`_mb<n>`) for the fewest CTAs
+    per SM that run its grid at M = rows in one wave, only where the tile's own hint or registers do not
+    already give that many, and only for the formats the entry names."""
+    space = load_space(90)
+    entries = space.tiles["register_capped_tiles"]
+    assert entries
+    for rows, nt, wn, st, xa, warps, *fmts in entries:
+        for fmt in ("nvfp4", "fp8_channel"):
+            for n, k in SHAPES:
+                for c in candidates(90, fmt, n, k):
+                    t = c.tile
+                    if (t.rows, t.warp_nt, t.warps_n, t.stages, t.x_ahead, t.x_smem) != (rows, nt, wn, st, xa, 0):
+                        continue
+                    uncapped = replace(c, tile=replace(t, min_blocks=sched._occupancy_blocks(c)))
+                    if t.min_blocks == uncapped.tile.min_blocks:
+                        continue  # the tile as the knobs or register_tiles emit it
+                    # a capped one: for a named format, a grid the uncapped hint runs in more than one wave
+                    ctas = math.prod(c.grid(rows))
+                    assert sched.FORMAT_TAG[fmt] in fmts, c.name
+                    assert t.min_blocks == -(-ctas // space.sms) > uncapped.tile.min_blocks, c.name
+                    assert t.min_blocks * c.threads <= warps * 32 and illegal_reason(c) is None
+    # NVFP4 TP4 gate_up (N = 8704, warps_k 4): 544 CTAs of 128 threads, 4 per SM uncapped -> capped for 5
+    names = {c.name for c in candidates(90, "nvfp4", 8704, 5120, silu=True)}
+    assert "dfg_sm90_nvfp4_silu_n8704_k5120_sk1_wk4_kg64_r16_nt1_wn1_st4_xa1_xs0_mb5" in names
+    assert not any("_r16_nt1_wn1_st4_xa1_xs0_mb5" in c.name for c in candidates(90, "nvfp4", 5120, 4352))
