@@ -224,21 +224,32 @@ def time_baselines(p: Problem, w: Any, ms: tuple[int, ...], device: torch.device
 def choose(ms: tuple[int, ...], timings: dict[str, dict[int, Timing]], plans: dict[str, str],
            peers: dict[int, dict[str, Timing]]) -> tuple[str | None, list[dict[str, Any]]]:
     """Pure selection (testable without a GPU): one K plan for all buckets, chosen by the sum of
-    per-bucket best times (batch invariance forbids switching plans with M), then per bucket the
-    fastest tile of that plan, admitted only if it beats the best peer by more than the noise."""
+    per-bucket best times (batch invariance forbids switching plans with M; sums within their noise
+    are decided by the time relative to each bucket's best), then per bucket the fastest tile of
+    that plan, admitted only if it beats the best peer by more than the noise."""
     by_plan: dict[str, list[str]] = defaultdict(list)
     for name in timings:
         by_plan[plans[name]].append(name)
 
-    def plan_cost(names: list[str]) -> float:
+    def plan_times(names: list[str]) -> dict[int, Timing]:
         # a bucket the runtime serves from a peer anyway costs the peer's time, whatever the plan
-        total = 0.0
+        out = {}
         for m in ms:
-            servable = [t.us for k, t in peers[m].items() if k in SERVABLE_PEERS] or [1e9]
-            total += min([timings[n][m].us for n in names if m in timings[n]] + [min(servable)])
-        return total
+            servable = [t for k, t in peers[m].items() if k in SERVABLE_PEERS] or [Timing(1e9, 0.0)]
+            out[m] = min([timings[n][m] for n in names if m in timings[n]] + [min(servable, key=lambda t: t.us)],
+                         key=lambda t: t.us)
+        return out
 
-    plan = min(sorted(by_plan), key=lambda k: plan_cost(by_plan[k])) if by_plan else None
+    costs = {k: plan_times(by_plan[k]) for k in sorted(by_plan)}
+    total = {k: sum(t.us for t in c.values()) for k, c in costs.items()}
+    noise = {k: sum(t.noise_us for t in c.values()) for k, c in costs.items()}
+    plan = min(total, key=lambda k: total[k]) if total else None
+    if plan is not None:
+        # Plans whose sums differ by less than their noise are a tie (their sums flip between runs, the
+        # large-M buckets weighing most): take the one fastest relative to each bucket's best instead.
+        tied = [k for k in total if total[k] - total[plan] <= noise[k] + noise[plan]]
+        best = {m: min(c[m].us for c in costs.values()) for m in ms}
+        plan = min(tied, key=lambda k: (sum(costs[k][m].us / best[m] for m in ms), total[k]))
     buckets = []
     for m in ms:
         pm = peers[m]

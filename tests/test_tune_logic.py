@@ -477,3 +477,16 @@ def test_race_prefetch_records_a_winning_depth(monkeypatch) -> None:
     assert b["prefetch_groups"] == 2 and b["us"] == 9.0 and "beats the default (0 groups)" in b["why"]
     assert b["prefetch_us"] == {"0": 10.0, "1": 9.95, "2": 9.0, "4": 9.5, "6": 12.0}
     assert all("prefetch_groups" not in x and "prefetch_us" not in x for x in buckets[1:])
+
+
+def test_k_plans_tied_within_noise_go_to_the_faster_one_relative_to_each_bucket() -> None:
+    # session 46's NVFP4 k4352: the sums over the buckets differ by less than their noise (A 35.0, B 34.6);
+    # A is ~10% faster at M = 8 / 16, B ~3% at M = 64: the relative rule takes A, run after run
+    timings = {"a": {8: Timing(5.5, 0.1), 16: Timing(7.5, 0.1), 64: Timing(22.0, 0.2)},
+               "b": {8: Timing(6.1, 0.1), 16: Timing(8.2, 0.1), 64: Timing(20.3, 0.2)}}
+    plan, rows = choose(MS, timings, {"a": "A", "b": "B"}, _peers(40.0))
+    assert plan == "A" and {r["kernel"] for r in rows} == {"a"}
+    # beyond the noise the plain sum decides (B 2 us ahead with 0.8 us of noise)
+    timings["b"][64] = Timing(19.3, 0.2)
+    plan, _ = choose(MS, timings, {"a": "A", "b": "B"}, _peers(40.0))
+    assert plan == "B"
