@@ -8,7 +8,7 @@ makes concurrent builds (two processes, two users of one cache) safe; each rule 
 file and renames.
 
 GEMM kernels that are missing share translation units: parsing the kernel headers (CUTLASS's cute
-MMA atoms) is ~90% of a lone kernel's front-end time (nvcc 13: 2.9 s of 3.3), so up to BATCH_MAX
+MMA atoms) is ~90% of a lone kernel's front-end time (nvcc 13: 2.9 s of 3.3), so up to UNIT_MAX
 kernels with the same preamble compile as one unit (8 kernels: 3.9 s instead of ~26), and the
 unit's PTX is split back into one module per kernel (``toolchain.split_ptx``: the same PTX a lone
 compile gives, up to the unit's internal-name hash) that ptxas turns into that kernel's cubin.
@@ -84,7 +84,7 @@ def _ninja_header() -> list[str]:
     return lines
 
 
-BATCH_MAX = 16  # kernels per shared translation unit (more: fewer units than cores to spread them over)
+UNIT_MAX = 16  # kernels per shared translation unit (more: fewer units than cores to spread them over)
 # bumped when the way a kernel's PTX is produced changes (part of every artifact's fingerprint)
 BUILD_RECIPE = "tu-batch-1"
 
@@ -98,7 +98,7 @@ def _write_content(path: Path, text: str) -> Path:
     return path
 
 
-def batch_parts(text: str) -> tuple[str, str] | None:
+def unit_parts(text: str) -> tuple[str, str] | None:
     """(preamble, body) of a generated GEMM source that can share a translation unit: the preamble is
     its comments, #define and #include lines up to the first ``namespace {``, the body the rest
     (which must hold no preprocessor line). None: the source must compile on its own."""
@@ -115,7 +115,7 @@ def batch_parts(text: str) -> tuple[str, str] | None:
     return None
 
 
-def batch_source(preamble: str, bodies: Sequence[str]) -> str:
+def unit_source(preamble: str, bodies: Sequence[str]) -> str:
     """One translation unit for several kernels: the shared preamble once, each body in its own
     namespace (each declares its own anonymous-namespace ``Cfg``; the extern "C" entry names are unique)."""
     out = ["// dflashgen build unit: kernels sharing one front-end pass -- generated, do not edit\n", preamble]
@@ -125,8 +125,8 @@ def batch_source(preamble: str, bodies: Sequence[str]) -> str:
 
 
 def _chunks(items: list[Any], jobs: int) -> list[list[Any]]:
-    """Split into units: enough to keep ``jobs`` compilers busy, at most BATCH_MAX kernels each."""
-    size = max(1, min(BATCH_MAX, -(-len(items) // max(1, jobs))))
+    """Split into units: enough to keep ``jobs`` compilers busy, at most UNIT_MAX kernels each."""
+    size = max(1, min(UNIT_MAX, -(-len(items) // max(1, jobs))))
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
@@ -156,7 +156,7 @@ def write_ninja(build_dir: Path, kernels: Sequence[dict[str, Any]], plans: dict[
         rule = "nvrtc" if plan.frontend == "nvrtc" else "nvcc_ptx"
         lines += [f"build {art.cubin}: ptxas {art.ptx}", f"  arch = {target}", f"  name = {k['name']}",
                   f"  ptxas = {plan.ptxas}", f"  log = {art.log}"]
-        parts = batch_parts(text) if "family" not in k and not art.ptx.exists() else None
+        parts = unit_parts(text) if "family" not in k and not art.ptx.exists() else None
         if parts is None:
             lines += [f"build {art.ptx}: {rule} {src}", f"  arch = {target}", f"  name = {k['name']}", ""]
         else:
@@ -165,7 +165,7 @@ def write_ninja(build_dir: Path, kernels: Sequence[dict[str, Any]], plans: dict[
     for (arch, target, rule, preamble, hh), members in sorted(units.items(), key=lambda u: u[0]):
         plan = plans[arch]
         for chunk in _chunks(sorted(members, key=lambda m: m[0].name), jobs or os.cpu_count() or 1):
-            text = batch_source(preamble, [b for _, b in chunk])
+            text = unit_source(preamble, [b for _, b in chunk])
             fp = fingerprint(__version__, text, hh, plan.version, plan.frontend, " ".join(CXX_FLAGS), target)
             src = _write_content(srcdir / f"unit-{fp}.cu", text)
             ptx = build_dir / f"sm_{arch}" / "units" / f"{fp}.ptx"

@@ -383,7 +383,8 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     journal = journal or out.with_suffix(".journal.json")
     every = problems_for(load_targets(targets_path), arch)
     probs = selected(every, only)
-    hashes = {key: problem_kernels_hash(entries) for key, entries in manifest_problems(arch).items()}
+    every_entry = manifest_problems(arch)
+    hashes = {key: problem_kernels_hash(entries) for key, entries in every_entry.items()}
     carried = {k: v for k, v in (load_journal(carry, fp, hashes) if carry else {}).items()
                if k in {p.key for p in every}}
     if carry:
@@ -394,7 +395,6 @@ def run(targets_path: Path | None = None, out: Path | None = None, journal: Path
     t0 = time.time()
     # build (if missing) and load only the kernels left to measure: the cost model's survivors at
     # some bucket of the problems left (tune_problem prunes the same way, so the rest is never timed)
-    every_entry = manifest_problems(arch)
     names = sorted({e["name"] for p in todo for m in ms for e in prune(every_entry[p.key], m, bw)})
     images, entries_by_key = native_kernels(arch, "^(" + "|".join(names) + ")$") if names else ({}, {})
     t_build = time.time() - t0
