@@ -148,12 +148,17 @@ def _weights(p: Problem, device: torch.device, seed: int) -> tuple[Any, PackedWe
     return random_packed(p.arch, p.fmt, p.n, p.k, p.silu, device, torch.Generator(device=device).manual_seed(seed))
 
 
+def rotated_copies(packed: PackedWeight, copies: int) -> list[PackedWeight]:
+    """``packed`` and copies - 1 clones of its streams: the same codes in distinct buffers, so a chain
+    that rotates through them reads every call's weights from DRAM."""
+    return [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
+                                    None if packed.scales is None else packed.scales.clone(), packed.col_scale)
+                       for _ in range(copies - 1)]
+
+
 def time_kernel(kern: Any, packed: PackedWeight, x: torch.Tensor, copies: int,
                 prefetch: int | None = None) -> Timing:
-    # Copies share the codes but are distinct buffers, so each call reads DRAM.
-    ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
-                                  None if packed.scales is None else packed.scales.clone(), packed.col_scale)
-                     for _ in range(copies - 1)]
+    ws = rotated_copies(packed, copies)
     out = torch.empty((x.shape[0], kern.n_out), dtype=torch.float16, device=x.device)
     return graph_time(lambda i: kern(x, ws[i], out, prefetch=prefetch), copies)
 

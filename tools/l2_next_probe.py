@@ -66,7 +66,7 @@ def main() -> None:
     from dflashgen.prepack import PackedWeight
     from dflashgen.render import load_targets
     from dflashgen.timing import copies_for
-    from dflashgen.tune import _weights, problems_for, selected
+    from dflashgen.tune import _weights, problems_for, rotated_copies, selected
     from dflashgen.verify import native_kernels
 
     ap = argparse.ArgumentParser()
@@ -109,9 +109,7 @@ def main() -> None:
         entries = {e["name"]: e for e in by_key[p.key]}
         _, packed = _weights(p, device, seed=1)
         copies = copies_for(packed.stream_bytes, device)
-        ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
-                                      None if packed.scales is None else packed.scales.clone(), packed.col_scale)
-                         for _ in range(copies - 1)]
+        ws = rotated_copies(packed, copies)
         for m in args.ms:
             if m not in buckets:
                 continue

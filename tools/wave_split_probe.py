@@ -35,9 +35,8 @@ def main() -> None:
     from dflashgen.runtime import GemmKernel
     from dflashgen.runtime.kernels import GemmLaunch
 
-    from dflashgen.prepack import PackedWeight
     from dflashgen.timing import copies_for, graph_time
-    from dflashgen.tune import Problem, _weights
+    from dflashgen.tune import Problem, _weights, rotated_copies
     from dflashgen.verify import native_kernels
 
     dev = torch.device("cuda")
@@ -51,9 +50,7 @@ def main() -> None:
     w, packed = _weights(p, dev, seed=1)
     nbytes = packed.stream_bytes
     copies = copies_for(nbytes, dev)
-    ws = [packed] + [PackedWeight(packed.layout, packed.weights.clone(),
-                                  None if packed.scales is None else packed.scales.clone(), packed.col_scale)
-                     for _ in range(copies - 1)]
+    ws = rotated_copies(packed, copies)
     x = torch.randn(args.m, p.k, device=dev, dtype=torch.float16)
     out = torch.empty((args.m, ea["n_out"]), dtype=torch.float16, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
